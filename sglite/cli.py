@@ -1,0 +1,88 @@
+"""The ``sglite`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from sglite.server_args import ServerArgs
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt, streaming tokens to the terminal",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("prompt", help="the prompt text (with --chat: the user message)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system message for --chat")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--show-stats", action="store_true", help="print token counts and latency after the text")
+    ServerArgs.add_cli_args(p)
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from sglite.engine import Engine
+    from sglite.model_loader import ModelLoadError
+
+    server_args = ServerArgs.from_cli_args(args)
+    try:
+        engine = Engine(**vars(server_args))
+    except ModelLoadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+              "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "stop": args.stop}
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}]
+        stream = engine.generate(messages=messages, sampling_params=params, stream=True)
+    else:
+        stream = engine.generate(args.prompt, sampling_params=params, stream=True)
+    meta: dict = {}
+    for chunk in stream:
+        if chunk.get("error"):
+            print(f"error: {chunk['error']}", file=sys.stderr)
+            return 1
+        sys.stdout.write(chunk["text"])
+        sys.stdout.flush()
+        if chunk["finished"]:
+            meta = chunk["meta_info"]
+    sys.stdout.write("\n")
+    if args.show_stats and meta:
+        ttft = meta.get("time_to_first_token")
+        print(f"[{meta['prompt_tokens']} prompt tokens, {meta['completion_tokens']} generated, "
+              f"finish {meta['finish_reason']}, ttft {ttft:.3f}s, e2e {meta['e2e_latency']:.3f}s]", file=sys.stderr)
+    engine.shutdown()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sglite", description="A small SGLang-style inference engine built to be watched.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""Typed events: the one stream that viewers (tracing, TUI, recorder, walkthroughs) read.
+
+The engine core emits; it never imports a viewer. ``EventBus.emit`` is a single branch
+when nobody subscribed, so an unwatched engine pays almost nothing. Call sites that
+would build an expensive payload check ``bus.active`` first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Iterable, Iterator
+
+Subscriber = Callable[["Event"], None]
+EVENT_TYPES: dict[str, type["Event"]] = {}
+
+
+@dataclass(frozen=True)
+class Event:
+    """Base: every event carries a monotonic timestamp (seconds) and the iteration."""
+
+    kind: ClassVar[str] = "Event"
+    iteration: int = -1
+    ts: float = field(default_factory=time.monotonic)
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        cls.kind = cls.__name__
+        EVENT_TYPES[cls.__name__] = cls
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        d["kind"] = self.kind
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return [_jsonable(x) for x in v]
+    if hasattr(v, "value") and hasattr(v, "name"):  # enums
+        return v.name
+    return v
+
+
+def event_from_dict(d: dict[str, Any]) -> Event:
+    d = dict(d)
+    cls = EVENT_TYPES[d.pop("kind")]
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in names}
+    return cls(**kwargs)
+
+
+def load_events(path: str) -> Iterator[Event]:
+    """Read a recording written by ``EventRecorder``."""
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                yield event_from_dict(json.loads(line))
+
+
+class EventBus:
+    def __init__(self) -> None:
+        self._subscribers: list[Subscriber] = []
+        self.active = False
+        self.iteration = 0
+
+    def subscribe(self, fn: Subscriber) -> Callable[[], None]:
+        self._subscribers.append(fn)
+        self.active = True
+
+        def unsubscribe() -> None:
+            if fn in self._subscribers:
+                self._subscribers.remove(fn)
+            self.active = bool(self._subscribers)
+
+        return unsubscribe
+
+    def emit(self, event_cls: type["Event"], **fields: Any) -> None:
+        if not self.active:
+            return
+        event = event_cls(iteration=self.iteration, **fields)
+        for fn in tuple(self._subscribers):
+            fn(event)
+
+
+class EventRecorder:
+    """Subscriber writing one JSON object per line (``--record PATH``)."""
+
+    def __init__(self, path: str):
+        self._f = open(path, "w")
+
+    def __call__(self, event: Event) -> None:
+        self._f.write(event.to_json() + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class EventLog:
+    """Subscriber keeping events in memory (tests, walkthroughs)."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def __call__(self, event: Event) -> None:
+        self.events.append(event)
+
+    def of(self, *kinds: type[Event]) -> list[Event]:
+        return [e for e in self.events if isinstance(e, kinds)]
+
+
+# --- requests -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReqArrived(Event):
+    rid: str = ""
+    prompt_tokens: int = 0
+    max_new_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ReqAdmitted(Event):
+    rid: str = ""
+    prefix_len: int = 0
+    extend_len: int = 0
+    chunked: bool = False
+
+
+@dataclass(frozen=True)
+class ReqChunked(Event):
+    rid: str = ""
+    chunk_index: int = 0
+    computed_len: int = 0
+    total_len: int = 0
+
+
+@dataclass(frozen=True)
+class ReqRetracted(Event):
+    rid: str = ""
+    reason: str = ""
+    old_new_token_ratio: float = 0.0
+    new_token_ratio: float = 0.0
+    output_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ReqAborted(Event):
+    rid: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ReqFinished(Event):
+    rid: str = ""
+    reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TokensEmitted(Event):
+    rid: str = ""
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+
+
+# --- batches --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchPlanned(Event):
+    forward_mode: str = ""
+    rids: tuple[str, ...] = ()
+    seq_lens: tuple[int, ...] = ()
+    prefix_lens: tuple[int, ...] = ()
+    extend_lens: tuple[int, ...] = ()
+    out_cache_loc: tuple[int, ...] = ()
+    num_rows: int = 0
+
+
+@dataclass(frozen=True)
+class AdmissionStopped(Event):
+    reason: str = ""  # NO_TOKEN, OTHER, MAX_RUNNING_REQUESTS, EMPTY_QUEUE, ...
+    waiting: int = 0
+    rem_total_tokens: int = 0
+    rem_input_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ForwardStarted(Event):
+    forward_mode: str = ""
+    batch_size: int = 0
+    num_tokens: int = 0
+    backend: str = ""
+
+
+@dataclass(frozen=True)
+class ForwardFinished(Event):
+    forward_mode: str = ""
+    batch_size: int = 0
+    num_tokens: int = 0
+    backend: str = ""
+    duration: float = 0.0
+
+
+# --- cache ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheMatched(Event):
+    rid: str = ""
+    matched_len: int = 0
+    key_len: int = 0
+
+
+@dataclass(frozen=True)
+class CacheInserted(Event):
+    rid: str = ""
+    inserted_len: int = 0
+    already_cached_len: int = 0
+
+
+@dataclass(frozen=True)
+class CacheEvicted(Event):
+    num_tokens: int = 0
+    num_nodes: int = 0
+
+
+@dataclass(frozen=True)
+class IterationFinished(Event):
+    num_waiting: int = 0
+    num_running: int = 0
+    token_usage: float = 0.0
+    cache_hit_rate: float = 0.0
+    new_token_ratio: float = 0.0
+
+
+def kinds(events: Iterable[Event]) -> list[str]:
+    return [e.kind for e in events]

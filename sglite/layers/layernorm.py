@@ -1,0 +1,27 @@
+"""RMSNorm with an optional fused residual add (SGLang: layers/layernorm.py)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # With a residual, return (norm(x + residual), x + residual): the decoder layer
+        # carries the un-normed sum forward, saving one add per layer.
+        if residual is not None:
+            x = x + residual
+            residual = x
+        orig_dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        out = self.weight * h.to(orig_dtype)
+        return out if residual is None else (out, residual)

@@ -1,0 +1,393 @@
+"""Req, ScheduleBatch and finish reasons (SGLang: managers/schedule_batch.py).
+
+Seed 000 §2-§4: a ``Req`` lives for the whole request; a ``ScheduleBatch`` is one
+round's plan. sglite simplification: the per-round arrays (``input_ids``,
+``seq_lens``, ...) are rebuilt from the requests by ``prepare_for_extend`` /
+``prepare_for_decode`` instead of being filtered and merged tensor by tensor, so
+``filter_batch`` and ``merge_batch`` only edit the request list.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sglite.model_executor.forward_batch_info import ForwardMode
+from sglite.sampling.sampling_batch_info import SamplingBatchInfo
+from sglite.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from sglite.mem_cache.base_prefix_cache import BasePrefixCache
+    from sglite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+
+# Retraction keeps room for this many decode steps of the requests that stay.
+RETRACT_DECODE_STEPS = 20
+
+
+class BaseFinishReason:
+    def __init__(self, is_error: bool = False):
+        self.is_error = is_error
+
+    def to_json(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.to_json()})"
+
+
+class FINISH_MATCHED_TOKEN(BaseFinishReason):
+    def __init__(self, matched: int):
+        super().__init__()
+        self.matched = matched
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "stop", "matched": self.matched}
+
+
+class FINISH_MATCHED_STR(BaseFinishReason):
+    def __init__(self, matched: str):
+        super().__init__()
+        self.matched = matched
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "stop", "matched": self.matched}
+
+
+class FINISH_LENGTH(BaseFinishReason):
+    def __init__(self, length: int):
+        super().__init__()
+        self.length = length
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "length", "length": self.length}
+
+
+class FINISH_ABORT(BaseFinishReason):
+    def __init__(self, message: str = "Unknown error", is_error: bool = False):
+        super().__init__(is_error=is_error)
+        self.message = message
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "abort", "message": self.message}
+
+
+class Req:
+    """One request, from arrival to finish."""
+
+    def __init__(
+        self,
+        rid: str,
+        origin_input_text: str | None,
+        origin_input_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: set[int] | None = None,
+        seed: int = 0,
+        stream: bool = False,
+    ):
+        self.rid = rid
+        self.origin_input_text = origin_input_text
+        self.origin_input_ids = origin_input_ids
+        self.output_ids: list[int] = []
+        self.fill_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids or set()
+        self.stream = stream
+        self.sampling_generator = torch.Generator().manual_seed(
+            sampling_params.seed if sampling_params.seed is not None else seed
+        )
+
+        # memory
+        self.req_pool_idx: int | None = None
+        self.prefix_indices: torch.Tensor = torch.empty(0, dtype=torch.int64)
+        self.extend_input_len = 0
+        self.last_node: Any = None
+        self.kv_committed_len = 0  # tokens whose KV sits in req_to_token[req_pool_idx]
+
+        # state
+        self.finished_reason: BaseFinishReason | None = None
+        self.to_abort = False
+        self.to_abort_message = ""
+        self.is_chunked = 0  # chunks scheduled whose result is not processed yet
+        self.chunk_index = 0
+        self.is_retracted = False
+        self.retraction_count = 0
+        self.cached_tokens = 0
+        self.already_computed = 0
+
+        # detokenization (SGLang's DetokenizerManager offsets)
+        self.decoded_text = ""
+        self.surr_offset = 0
+        self.read_offset = 0
+        self.sent_text_len = 0
+        self.sent_ids_len = 0
+
+        # time stamps (time.perf_counter)
+        self.created_time = time.perf_counter()
+        self.wait_queue_entry_time = self.created_time
+        self.forward_entry_time: float | None = None
+        self.first_token_time: float | None = None
+        self.completion_time: float | None = None
+
+    # --- round input ------------------------------------------------------------------
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def init_next_round_input(self, tree_cache: "BasePrefixCache | None" = None) -> None:
+        """fill_ids = prompt + output so far; reuse the longest cached prefix, but
+        always compute at least one token so there are logits to sample from."""
+        self.fill_ids = self.origin_input_ids + self.output_ids
+        if tree_cache is not None:
+            match = tree_cache.match_prefix(self.fill_ids[: len(self.fill_ids) - 1])
+            self.prefix_indices, self.last_node = match.device_indices, match.last_device_node
+        self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+
+    def reset_for_retract(self) -> None:
+        """Back to waiting: output_ids stay, the KV is gone (a cached prefix may stay in
+        the radix tree and be matched again on re-admission)."""
+        self.prefix_indices = torch.empty(0, dtype=torch.int64)
+        self.last_node = None
+        self.extend_input_len = 0
+        self.fill_ids = []
+        self.kv_committed_len = 0
+        self.already_computed = 0
+        self.is_retracted = True
+        self.retraction_count += 1
+        self.wait_queue_entry_time = time.perf_counter()
+
+    # --- finishing --------------------------------------------------------------------
+
+    def check_finished(self) -> None:
+        if self.finished():
+            return
+        if self.to_abort:
+            self.finished_reason = FINISH_ABORT(self.to_abort_message or "aborted")
+            return
+        if len(self.output_ids) >= self.sampling_params.max_new_tokens:
+            self.finished_reason = FINISH_LENGTH(self.sampling_params.max_new_tokens)
+            return
+        last = self.output_ids[-1] if self.output_ids else None
+        if last is not None:
+            if (not self.sampling_params.ignore_eos and last in self.eos_token_ids) or (
+                last in (self.sampling_params.stop_token_ids or ())
+            ):
+                self.finished_reason = FINISH_MATCHED_TOKEN(last)
+                return
+
+    def check_stop_str(self) -> None:
+        """Called after detokenization: finish on a stop string and trim it."""
+        if self.finished() or not self.sampling_params.stop_strs:
+            return
+        for stop in self.sampling_params.stop_strs:
+            pos = self.decoded_text.find(stop, max(0, self.sent_text_len - len(stop)))
+            if pos != -1:
+                self.finished_reason = FINISH_MATCHED_STR(stop)
+                if not self.sampling_params.no_stop_trim:
+                    self.decoded_text = self.decoded_text[:pos]
+                return
+
+    def stream_holdback(self) -> int:
+        """Characters at the end of the text that could start a stop string: they are
+        not streamed until it is clear they are not part of one."""
+        text = self.decoded_text
+        best = 0
+        for stop in self.sampling_params.stop_strs:
+            for k in range(min(len(stop) - 1, len(text)), best, -1):
+                if text.endswith(stop[:k]):
+                    best = k
+                    break
+        return best
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid}, input_len={len(self.origin_input_ids)}, output_len={len(self.output_ids)})"
+
+
+@dataclass
+class ScheduleBatch:
+    """The plan of one round: which requests, which rows, which KV slots."""
+
+    reqs: list[Req]
+    req_to_token_pool: "ReqToTokenPool"
+    token_to_kv_pool_allocator: "TokenToKVPoolAllocator"
+    tree_cache: "BasePrefixCache"
+    vocab_size: int = 0
+    device: str = "cpu"
+    forward_mode: ForwardMode = ForwardMode.IDLE
+    input_ids: list[int] = field(default_factory=list)
+    req_pool_indices: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    out_cache_loc: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    output_ids: list[int] = field(default_factory=list)
+    prefix_lens: list[int] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+    extend_num_tokens: int = 0
+    decoding_reqs: list[Req] = field(default_factory=list)  # the decode tail of a MIXED batch
+    chunked_req: Req | None = None
+    batch_is_full: bool = False
+    sampling_info: SamplingBatchInfo | None = None
+    return_all_logits: bool = False
+
+    @classmethod
+    def init_new(cls, reqs: list[Req], req_to_token_pool, token_to_kv_pool_allocator, tree_cache,
+                 vocab_size: int, device: str = "cpu", chunked_req: Req | None = None) -> "ScheduleBatch":
+        return cls(reqs=reqs, req_to_token_pool=req_to_token_pool,
+                   token_to_kv_pool_allocator=token_to_kv_pool_allocator, tree_cache=tree_cache,
+                   vocab_size=vocab_size, device=device, chunked_req=chunked_req)
+
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    @property
+    def seq_lens_sum(self) -> int:
+        return sum(self.seq_lens)
+
+    # --- memory -----------------------------------------------------------------------
+
+    def _evict_for(self, num_tokens: int) -> None:
+        short = num_tokens - self.token_to_kv_pool_allocator.available_size()
+        if short > 0:
+            self.tree_cache.evict(short)
+
+    def alloc_token_slots(self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]) -> torch.Tensor:
+        page = self.token_to_kv_pool_allocator.page_size
+        need = sum(-(-s // page) - -(-p // page) for p, s in zip(prefix_lens, seq_lens)) * page
+        self._evict_for(need)
+        loc = self.token_to_kv_pool_allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
+        if loc is None:
+            raise RuntimeError(
+                f"KV pool out of memory: need {need} slots, "
+                f"{self.token_to_kv_pool_allocator.available_size()} free, "
+                f"{self.tree_cache.evictable_size()} evictable (the admission budget should prevent this)"
+            )
+        return loc
+
+    def _last_loc(self, req: Req, pos: int) -> int:
+        if pos <= 0:
+            return -1
+        return int(self.req_to_token_pool.req_to_token[req.req_pool_idx, pos - 1])
+
+    # --- round preparation ------------------------------------------------------------
+
+    def prepare_for_extend(self) -> None:
+        """Seed 000 §3: each request computes fill_ids[len(prefix_indices):]."""
+        self.forward_mode = ForwardMode.EXTEND
+        reqs = self.reqs
+        slots = self.req_to_token_pool.alloc(len(reqs))
+        if slots is None:
+            raise RuntimeError("req_to_token_pool is full (max_running_requests should prevent this)")
+        for req, idx in zip(reqs, slots):
+            req.req_pool_idx = idx
+            pre = len(req.prefix_indices)
+            if pre:
+                self.req_to_token_pool.write(idx, 0, req.prefix_indices)
+        self.prefix_lens = [len(r.prefix_indices) for r in reqs]
+        self.extend_lens = [r.extend_input_len for r in reqs]
+        self.seq_lens = [len(r.fill_ids) for r in reqs]
+        self.req_pool_indices = [r.req_pool_idx for r in reqs]
+        self.input_ids = [t for r in reqs for t in r.fill_ids[len(r.prefix_indices):]]
+        self.extend_num_tokens = len(self.input_ids)
+        last_locs = [self._last_loc(r, p) for r, p in zip(reqs, self.prefix_lens)]
+        self.out_cache_loc = self.alloc_token_slots(self.prefix_lens, self.seq_lens, last_locs)
+        off = 0
+        now = time.perf_counter()
+        for req, pre, ext in zip(reqs, self.prefix_lens, self.extend_lens):
+            self.req_to_token_pool.write(req.req_pool_idx, pre, self.out_cache_loc[off : off + ext])
+            off += ext
+            req.kv_committed_len = pre + ext
+            req.cached_tokens += max(0, pre - req.already_computed)
+            req.already_computed = pre + ext
+            req.is_retracted = False
+            if req.forward_entry_time is None:
+                req.forward_entry_time = now
+        self.sampling_info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device)
+
+    def prepare_for_decode(self) -> None:
+        """Seed 000 §4: one new row per request, the token sampled last round."""
+        self.forward_mode = ForwardMode.DECODE
+        reqs = self.reqs
+        self.input_ids = [r.output_ids[-1] for r in reqs]
+        self.output_ids = list(self.input_ids)
+        self.seq_lens = [r.seqlen for r in reqs]
+        self.req_pool_indices = [r.req_pool_idx for r in reqs]
+        self.prefix_lens = [s - 1 for s in self.seq_lens]
+        self.extend_lens = [1] * len(reqs)
+        self.extend_num_tokens = len(reqs)
+        last_locs = [self._last_loc(r, s - 1) for r, s in zip(reqs, self.seq_lens)]
+        self.out_cache_loc = self.alloc_token_slots(self.prefix_lens, self.seq_lens, last_locs)
+        for j, req in enumerate(reqs):
+            self.req_to_token_pool.write(req.req_pool_idx, self.seq_lens[j] - 1, self.out_cache_loc[j : j + 1])
+            req.kv_committed_len = self.seq_lens[j]
+        self.sampling_info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device)
+
+    def mix_with_running(self, running_batch: "ScheduleBatch") -> None:
+        """ForwardMode.MIXED: the decode tail rides along as 1-token extends after the
+        new prefill rows (call running_batch.prepare_for_decode() first)."""
+        self.forward_mode = ForwardMode.MIXED
+        self.decoding_reqs = list(running_batch.reqs)
+        self.reqs = self.reqs + running_batch.reqs
+        self.input_ids = self.input_ids + running_batch.input_ids
+        self.out_cache_loc = torch.cat([self.out_cache_loc, running_batch.out_cache_loc])
+        self.req_pool_indices = self.req_pool_indices + running_batch.req_pool_indices
+        self.seq_lens = self.seq_lens + running_batch.seq_lens
+        self.prefix_lens = self.prefix_lens + [s - 1 for s in running_batch.seq_lens]
+        self.extend_lens = self.extend_lens + [1] * running_batch.batch_size()
+        self.extend_num_tokens += running_batch.batch_size()
+        self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs, self.vocab_size, self.device)
+
+    def filter_batch(self, chunked_req_to_exclude: Req | None = None) -> None:
+        self.reqs = [r for r in self.reqs if not r.finished() and r is not chunked_req_to_exclude]
+        self.decoding_reqs = []
+
+    def merge_batch(self, other: "ScheduleBatch") -> None:
+        self.reqs = self.reqs + [r for r in other.reqs if r not in self.reqs]
+
+    # --- memory pressure ----------------------------------------------------------------
+
+    def _decode_tokens_needed(self, num_reqs: int) -> int:
+        page = self.token_to_kv_pool_allocator.page_size
+        return num_reqs * page  # worst case: every request opens a new page
+
+    def check_decode_mem(self, buf_multiplier: int = 1) -> bool:
+        need = self._decode_tokens_needed(len(self.reqs)) * buf_multiplier
+        if self.token_to_kv_pool_allocator.available_size() >= need:
+            return True
+        self._evict_for(need)
+        return self.token_to_kv_pool_allocator.available_size() >= need
+
+    def retract_decode(self) -> tuple[list[Req], float]:
+        """Free KV by sending requests back to the waiting queue: the one with the fewest
+        decoded tokens first, ties to the longest prompt; until the rest can decode
+        RETRACT_DECODE_STEPS more steps. Returns (retracted, new_token_ratio)."""
+        order = sorted(
+            range(len(self.reqs)),
+            key=lambda i: (len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)),
+            reverse=True,
+        )
+        retracted: list[Req] = []
+
+        def fits() -> bool:
+            need = self._decode_tokens_needed(len(order)) * RETRACT_DECODE_STEPS
+            return self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size() >= need
+
+        while not fits() and len(order) > 1:
+            req = self.reqs[order.pop()]
+            self.tree_cache.cache_finished_req(req, is_insert=False)
+            req.reset_for_retract()
+            retracted.append(req)
+        kept = [self.reqs[i] for i in sorted(order)]
+        self.reqs = kept
+        self._evict_for(self._decode_tokens_needed(len(kept)))
+        decoded = sum(len(r.output_ids) for r in kept)
+        max_new = sum(r.sampling_params.max_new_tokens for r in kept)
+        new_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(kept)) / (max_new + 1))
+        return retracted, new_ratio

@@ -1,0 +1,556 @@
+"""The Scheduler: waiting_queue -> PrefillAdder -> ScheduleBatch -> forward -> results
+(SGLang: managers/scheduler.py). Seed 004 §4: one iteration of event_loop_normal does
+six things — receive, get_next_batch_to_run, run_batch, process_batch_result, the idle
+self-check, and last_batch = batch. ``step()`` is exactly one such iteration."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sglite import events as ev
+from sglite.managers.io_struct import AbortReq, BatchStrOut, TokenizedGenerateReqInput
+from sglite.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
+from sglite.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
+from sglite.mem_cache.chunk_cache import ChunkCache
+from sglite.mem_cache.radix_cache import RadixCache
+from sglite.model_executor.forward_batch_info import ForwardBatch
+from sglite.model_executor.model_runner import ModelRunner
+from sglite.server_args import ServerArgs
+
+logger = logging.getLogger("sglite")
+
+# SGLang's global_config: the new-token reservation ratio starts at 0.7 (scaled by
+# schedule_conservativeness), decays to 0.14 of that over 600 decode rounds.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+
+
+@dataclass
+class GenerationBatchResult:
+    next_token_ids: list[int]
+    forward_time: float
+
+
+class Scheduler:
+    def __init__(self, server_args: ServerArgs, model_runner: ModelRunner | None = None,
+                 event_bus: ev.EventBus | None = None):
+        self.server_args = server_args
+        self.model_runner = model_runner or ModelRunner(server_args)
+        self.tokenizer = self.model_runner.tokenizer
+        self.model_config = self.model_runner.model_config
+        self.device = self.model_runner.device
+        self.req_to_token_pool = self.model_runner.req_to_token_pool
+        self.token_to_kv_pool_allocator = self.model_runner.token_to_kv_pool_allocator
+        self.max_total_num_tokens = self.model_runner.max_total_num_tokens
+        self.max_running_requests = self.model_runner.max_running_requests
+        self.page_size = server_args.page_size
+        # a request (prompt + output) must fit the context and the whole pool
+        self.max_req_len = min(self.model_runner.context_len - 1, self.max_total_num_tokens - 1)
+        self.max_req_input_len = self.max_req_len - 5
+        self.event_bus = event_bus or ev.EventBus()
+
+        if server_args.disable_radix_cache:
+            self.tree_cache: RadixCache | ChunkCache = ChunkCache(
+                self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size)
+        else:
+            self.tree_cache = RadixCache(self.req_to_token_pool, self.token_to_kv_pool_allocator,
+                                         self.page_size, event_bus=self.event_bus)
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.random_seed)
+
+        self.waiting_queue: list[Req] = []
+        self.running_batch: ScheduleBatch = self._new_batch([])
+        self.last_batch: ScheduleBatch | None = None
+        self.cur_batch: ScheduleBatch | None = None
+        self.chunked_req: Req | None = None
+
+        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * server_args.schedule_conservativeness, 1.0)
+        self.min_new_token_ratio = min(self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
+        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = self.init_new_token_ratio
+
+        self.request_queue: queue.Queue[TokenizedGenerateReqInput | AbortReq] = queue.Queue()
+        self.forward_ct = 0
+        self.forward_ct_decode = 0
+        self.iteration = 0
+        self.num_retracted_reqs = 0
+        self.total_hit_tokens = 0
+        self.total_input_tokens = 0
+        self.num_generated_tokens = 0
+        self.last_decode_stats_tic = time.perf_counter()
+        self.last_admission_stop = ""
+        self._known_rids: set[str] = set()
+        self._outputs: list[BatchStrOut] = []
+
+    # --- helpers ----------------------------------------------------------------------
+
+    def _new_batch(self, reqs: list[Req], chunked_req: Req | None = None) -> ScheduleBatch:
+        return ScheduleBatch.init_new(reqs, self.req_to_token_pool, self.token_to_kv_pool_allocator,
+                                      self.tree_cache, self.model_config.vocab_size, self.device, chunked_req)
+
+    @property
+    def bus(self) -> ev.EventBus:
+        return self.event_bus
+
+    def token_usage(self) -> float:
+        free = self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
+        return (self.max_total_num_tokens - free) / self.max_total_num_tokens
+
+    def cache_hit_rate(self) -> float:
+        total = self.total_hit_tokens + self.total_input_tokens
+        return self.total_hit_tokens / total if total else 0.0
+
+    def live_reqs(self) -> list[Req]:
+        """Every request that is not finished: waiting, chunked, running or just prefilled."""
+        seen: dict[int, Req] = {}
+        groups = [self.waiting_queue, [self.chunked_req] if self.chunked_req else [], self.running_batch.reqs]
+        if self.last_batch is not None and self.last_batch.forward_mode.is_extend():
+            groups.append(self.last_batch.reqs)
+        for group in groups:
+            for r in group:
+                if not r.finished():
+                    seen[id(r)] = r
+        return list(seen.values())
+
+    def has_work(self) -> bool:
+        return bool(self.live_reqs()) or not self.request_queue.empty()
+
+    # --- 1. receive -------------------------------------------------------------------
+
+    def send(self, item: TokenizedGenerateReqInput | AbortReq) -> None:
+        """Thread-safe: hand a request (or an abort) to the next iteration."""
+        self.request_queue.put(item)
+
+    def recv_requests(self) -> list[TokenizedGenerateReqInput | AbortReq]:
+        items = []
+        while True:
+            try:
+                items.append(self.request_queue.get_nowait())
+            except queue.Empty:
+                return items
+
+    def process_input_requests(self, recv_reqs: list[TokenizedGenerateReqInput | AbortReq]) -> None:
+        for item in recv_reqs:
+            if isinstance(item, AbortReq):
+                self.abort_request(item)
+            else:
+                self.handle_generate_request(item)
+
+    def _validate(self, recv_req: TokenizedGenerateReqInput) -> str | None:
+        if recv_req.error:
+            return recv_req.error
+        if recv_req.rid in self._known_rids:
+            return f"request id {recv_req.rid!r} is already in use"
+        ids = recv_req.input_ids
+        if not ids:
+            return "the prompt is empty"
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            return f"token id {bad} is outside the vocabulary (0..{vocab - 1})"
+        if len(ids) > self.max_req_input_len:
+            return (f"the prompt has {len(ids)} tokens; at most {self.max_req_input_len} fit "
+                    f"(context length {self.model_runner.context_len}, KV pool {self.max_total_num_tokens} tokens)")
+        try:
+            recv_req.sampling_params.verify(vocab)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def handle_generate_request(self, recv_req: TokenizedGenerateReqInput) -> None:
+        error = self._validate(recv_req)
+        if error is not None:
+            self._reject(recv_req, error)
+            return
+        params = recv_req.sampling_params
+        params.normalize()
+        # like SGLang: the output may use whatever the prompt leaves of max_req_len
+        params.max_new_tokens = min(params.max_new_tokens, self.max_req_len - len(recv_req.input_ids))
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            eos |= set(self.tokenizer.eos_token_ids)
+        req = Req(recv_req.rid, recv_req.input_text, list(recv_req.input_ids), params, eos,
+                  seed=self.server_args.random_seed + len(self._known_rids), stream=recv_req.stream)
+        self._known_rids.add(req.rid)
+        self.waiting_queue.append(req)
+        self.bus.emit(ev.ReqArrived, rid=req.rid, prompt_tokens=len(req.origin_input_ids),
+                      max_new_tokens=params.max_new_tokens)
+
+    def _reject(self, recv_req: TokenizedGenerateReqInput, error: str) -> None:
+        reason = FINISH_ABORT(error, is_error=True)
+        self._outputs.append(BatchStrOut(recv_req.rid, "", [], True, {
+            "id": recv_req.rid, "prompt_tokens": len(recv_req.input_ids or []), "completion_tokens": 0,
+            "cached_tokens": 0, "finish_reason": reason.to_json(), "error": error,
+        }))
+        self.bus.emit(ev.ReqAborted, rid=recv_req.rid, reason=error)
+
+    def abort_request(self, abort: AbortReq) -> None:
+        for req in self.live_reqs():
+            if req.rid == abort.rid:
+                self._abort_now(req, abort.message)
+                return
+
+    def _abort_now(self, req: Req, message: str) -> None:
+        """Finish a request at once and free everything it holds."""
+        req.to_abort, req.to_abort_message = True, message
+        req.finished_reason = FINISH_ABORT(message)
+        if req in self.waiting_queue:
+            self.waiting_queue.remove(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
+        if req.req_pool_idx is not None:
+            self.tree_cache.cache_finished_req(req)
+        self.bus.emit(ev.ReqAborted, rid=req.rid, reason=message)
+        self._stream_req(req)
+
+    def _abort_on_timeouts(self) -> None:
+        now = time.perf_counter()
+        wt, rt = self.server_args.waiting_timeout, self.server_args.running_timeout
+        for req in self.live_reqs():
+            if wt is not None and req.forward_entry_time is None and now - req.wait_queue_entry_time > wt:
+                self._abort_now(req, f"waited longer than waiting_timeout={wt}s")
+            elif rt is not None and req.forward_entry_time is not None and now - req.forward_entry_time > rt:
+                self._abort_now(req, f"ran longer than running_timeout={rt}s")
+
+    # --- 2. get_next_batch_to_run -------------------------------------------------------
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        self._abort_on_timeouts()
+        if self.chunked_req is not None:
+            # its computed part goes into the cache; the next chunk starts from there
+            self.tree_cache.cache_unfinished_req(self.chunked_req)
+            self.req_to_token_pool.free(self.chunked_req.req_pool_idx)
+            self.chunked_req.req_pool_idx = None
+
+        if self.last_batch is not None and self.last_batch.forward_mode.is_extend():
+            self.last_batch.filter_batch(chunked_req_to_exclude=self.chunked_req)
+            if not self.last_batch.is_empty():
+                self.running_batch.merge_batch(self.last_batch)
+
+        new_batch = self.get_new_batch_prefill()
+        if new_batch is not None:
+            return new_batch
+        if not self.running_batch.is_empty():
+            self.running_batch = self.update_running_batch(self.running_batch)
+            return None if self.running_batch.is_empty() else self.running_batch
+        return None
+
+    def _stop_admission(self, reason: str, adder: PrefillAdder | None = None) -> None:
+        self.last_admission_stop = reason
+        if self.bus.active:
+            self.bus.emit(ev.AdmissionStopped, reason=reason, waiting=len(self.waiting_queue),
+                          rem_total_tokens=int(adder.rem_total_tokens) if adder else 0,
+                          rem_input_tokens=int(adder.rem_input_tokens) if adder else 0)
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        self.running_batch.filter_batch()
+        running_bs = self.running_batch.batch_size()
+        if not self.waiting_queue and self.chunked_req is None:
+            self._stop_admission("EMPTY_QUEUE")
+            return None
+        if running_bs >= self.max_running_requests:
+            self.running_batch.batch_is_full = True
+            self._stop_admission("MAX_RUNNING_REQUESTS")
+            return None
+
+        self.policy.calc_priority(self.waiting_queue)
+        mixed = self.server_args.enable_mixed_chunk and running_bs > 0
+        adder = PrefillAdder(
+            self.page_size, self.tree_cache, self.token_to_kv_pool_allocator, self.running_batch,
+            self.new_token_ratio, self.server_args.max_prefill_tokens, self.server_args.chunked_prefill_size,
+            running_bs if mixed else 0, deprioritized=self.policy.temporary_deprioritized,
+        )
+        if self.chunked_req is not None:
+            self.chunked_req.init_next_round_input()
+            self.chunked_req = adder.add_chunked_req(self.chunked_req)
+
+        result = adder.budget_state()
+        stop = "" if result == AddReqResult.CONTINUE else result.name
+        if result == AddReqResult.CONTINUE:
+            for req in self.waiting_queue:
+                if running_bs + len(adder.can_run_list) >= self.max_running_requests:
+                    stop = "MAX_RUNNING_REQUESTS"
+                    self.running_batch.batch_is_full = True
+                    break
+                req.init_next_round_input(self.tree_cache)
+                result = adder.add_one_req(req)
+                if result != AddReqResult.CONTINUE:
+                    stop = result.name
+                    if result == AddReqResult.NO_TOKEN:
+                        self.running_batch.batch_is_full = True
+                    break
+        if adder.new_chunked_req is not None:
+            self.chunked_req = adder.new_chunked_req
+        if self.chunked_req is not None:
+            self.chunked_req.is_chunked += 1
+
+        can_run = adder.can_run_list
+        admitted = set(map(id, can_run))
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        deferred = [r for r in self.waiting_queue if r.rid in self.policy.temporary_deprioritized]
+        self._stop_admission(stop or ("IN_BATCH_PREFIX_WAIT" if deferred else
+                                      "EMPTY_QUEUE" if not self.waiting_queue else "OTHER"), adder)
+        if not can_run:
+            return None
+
+        self.total_hit_tokens += adder.log_hit_tokens
+        self.total_input_tokens += adder.log_input_tokens
+        new_batch = self._new_batch(can_run, self.chunked_req)
+        new_batch.prepare_for_extend()
+        for req in can_run:
+            self.bus.emit(ev.CacheMatched, rid=req.rid, matched_len=len(req.prefix_indices), key_len=len(req.fill_ids))
+            self.bus.emit(ev.ReqAdmitted, rid=req.rid, prefix_len=len(req.prefix_indices),
+                          extend_len=req.extend_input_len, chunked=req is self.chunked_req)
+
+        if mixed:
+            self.running_batch.filter_batch()
+            if not self.running_batch.is_empty():
+                self.running_batch.prepare_for_decode()
+                new_batch.mix_with_running(self.running_batch)
+                self.running_batch = self._new_batch([])
+
+        logger.info(
+            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+            "#running-req: %d, #queue-req: %d",
+            len(can_run), adder.log_input_tokens, adder.log_hit_tokens, self.token_usage(),
+            running_bs, len(self.waiting_queue),
+        )
+        return new_batch
+
+    def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch:
+        batch.filter_batch()
+        if batch.is_empty():
+            batch.batch_is_full = False
+            return batch
+        if not batch.check_decode_mem():
+            old_ratio = self.new_token_ratio
+            retracted, new_ratio = batch.retract_decode()
+            self.new_token_ratio = new_ratio
+            self.num_retracted_reqs += len(retracted)
+            logger.warning(
+                "KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f -> %.4f",
+                len(retracted), old_ratio, new_ratio,
+            )
+            for req in retracted:
+                self.bus.emit(ev.ReqRetracted, rid=req.rid, reason="KV cache pool is full",
+                              old_new_token_ratio=old_ratio, new_token_ratio=new_ratio,
+                              output_tokens=len(req.output_ids))
+            self.waiting_queue.extend(retracted)
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+        batch.batch_is_full = False
+        batch.prepare_for_decode()
+        return batch
+
+    # --- 3. run_batch -----------------------------------------------------------------
+
+    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        self.forward_ct += 1
+        forward_batch = ForwardBatch.init_new(batch, self.model_runner)
+        mode = batch.forward_mode.name
+        backend = self.model_runner.attn_backend.name
+        if self.bus.active:
+            self.bus.emit(ev.BatchPlanned, forward_mode=mode, rids=tuple(r.rid for r in batch.reqs),
+                          seq_lens=tuple(batch.seq_lens), prefix_lens=tuple(batch.prefix_lens),
+                          extend_lens=tuple(batch.extend_lens),
+                          out_cache_loc=tuple(batch.out_cache_loc.tolist()), num_rows=len(batch.input_ids))
+            self.bus.emit(ev.ForwardStarted, forward_mode=mode, batch_size=batch.batch_size(),
+                          num_tokens=len(batch.input_ids), backend=backend)
+        tic = time.perf_counter()
+        logits = self.model_runner.forward(forward_batch)
+        next_token_ids = self.model_runner.sample(logits, forward_batch).tolist()
+        forward_time = time.perf_counter() - tic
+        self.bus.emit(ev.ForwardFinished, forward_mode=mode, batch_size=batch.batch_size(),
+                      num_tokens=len(batch.input_ids), backend=backend, duration=forward_time)
+        return GenerationBatchResult(next_token_ids, forward_time)
+
+    # --- 4. process_batch_result --------------------------------------------------------
+
+    def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+        decoding = set(map(id, batch.decoding_reqs))
+        for req, token_id in zip(batch.reqs, result.next_token_ids):
+            if req.finished():
+                continue  # aborted while its batch was planned
+            if batch.forward_mode.is_extend() and id(req) not in decoding and req.is_chunked > 0:
+                # a non-final chunk: its sampled token is meaningless
+                req.is_chunked -= 1
+                req.chunk_index += 1
+                self.bus.emit(ev.ReqChunked, rid=req.rid, chunk_index=req.chunk_index - 1,
+                              computed_len=len(req.fill_ids), total_len=req.seqlen)
+                continue
+            self._append_token(req, token_id)
+            if req.finished():
+                self.tree_cache.cache_finished_req(req)
+            elif batch.forward_mode.is_extend() and id(req) not in decoding:
+                # put the freshly computed prompt in the tree so others can hit it
+                self.tree_cache.cache_unfinished_req(req)
+            self._stream_req(req)
+        if batch.forward_mode.is_decode():
+            self.forward_ct_decode += 1
+            if self.forward_ct_decode % self.server_args.decode_log_interval == 0:
+                self._log_decode_stats(batch)
+
+    def _append_token(self, req: Req, token_id: int) -> None:
+        req.output_ids.append(token_id)
+        self.num_generated_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        req.check_finished()
+        self._detokenize(req, flush=req.finished())
+        req.check_stop_str()
+        if req.finished():
+            req.completion_time = time.perf_counter()
+
+    def _detokenize(self, req: Req, flush: bool) -> None:
+        """Incremental detokenization with SGLang's surr/read offsets: only append text
+        once the bytes form whole characters."""
+        if self.tokenizer is None:
+            return
+        ids, skip = req.output_ids, req.sampling_params.skip_special_tokens
+        surr_text = self.tokenizer.decode(ids[req.surr_offset : req.read_offset], skip_special_tokens=skip)
+        new_text = self.tokenizer.decode(ids[req.surr_offset :], skip_special_tokens=skip)
+        if flush or (len(new_text) > len(surr_text) and not new_text.endswith("\ufffd")):
+            req.decoded_text += new_text[len(surr_text):]
+            req.surr_offset, req.read_offset = req.read_offset, len(ids)
+
+    def _stream_req(self, req: Req) -> None:
+        finished = req.finished()
+        end = len(req.decoded_text) if finished else len(req.decoded_text) - req.stream_holdback()
+        new_text = req.decoded_text[req.sent_text_len : end] if end > req.sent_text_len else ""
+        req.sent_text_len = max(req.sent_text_len, end)
+        new_ids = req.output_ids[req.sent_ids_len :]
+        req.sent_ids_len = len(req.output_ids)
+        if new_ids and self.bus.active:
+            self.bus.emit(ev.TokensEmitted, rid=req.rid, token_ids=tuple(new_ids), text=new_text)
+        meta: dict[str, Any] = {"id": req.rid}
+        if finished:
+            meta.update(self._meta_info(req))
+            if not isinstance(req.finished_reason, FINISH_ABORT):
+                self.bus.emit(ev.ReqFinished, rid=req.rid, reason=req.finished_reason.to_json()["type"],
+                              prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
+                              cached_tokens=req.cached_tokens)
+        self._outputs.append(BatchStrOut(req.rid, new_text, new_ids, finished, meta))
+
+    def _meta_info(self, req: Req) -> dict[str, Any]:
+        now = time.perf_counter()
+        return {
+            "id": req.rid,
+            "prompt_tokens": len(req.origin_input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+            "finish_reason": req.finished_reason.to_json() if req.finished_reason else None,
+            "e2e_latency": (req.completion_time or now) - req.created_time,
+            "time_to_first_token": (req.first_token_time - req.created_time) if req.first_token_time else None,
+            "queue_time": ((req.forward_entry_time or now) - req.created_time),
+            "retraction_count": req.retraction_count,
+        }
+
+    def _log_decode_stats(self, batch: ScheduleBatch) -> None:
+        now = time.perf_counter()
+        gap = max(now - self.last_decode_stats_tic, 1e-9)
+        throughput = self.num_generated_tokens / gap
+        self.num_generated_tokens, self.last_decode_stats_tic = 0, now
+        logger.info(
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+            "#queue-req: %d",
+            batch.batch_size(), self.max_total_num_tokens - self.token_to_kv_pool_allocator.available_size(),
+            self.token_usage(), throughput, len(self.waiting_queue),
+        )
+
+    # --- 5. idle self-check -----------------------------------------------------------
+
+    def self_check_during_idle(self) -> None:
+        """With nothing running, every KV slot is free or cached in the tree, no node is
+        locked and no request slot is taken."""
+        if self.live_reqs():
+            return
+        self.new_token_ratio = self.init_new_token_ratio
+        if not self.server_args.enable_self_check:
+            return
+        free = self.token_to_kv_pool_allocator.available_size()
+        cached = self.tree_cache.total_size()
+        problems = []
+        if free + cached != self.max_total_num_tokens:
+            problems.append(f"free {free} + cached {cached} != pool {self.max_total_num_tokens}")
+        if self.tree_cache.protected_size() != 0:
+            problems.append(f"protected_size {self.tree_cache.protected_size()} != 0")
+        if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
+            problems.append(f"{self.req_to_token_pool.size - self.req_to_token_pool.available_size()} req slots held")
+        problems += self._slot_ownership_problems(require_complete=True)
+        if problems:
+            raise RuntimeError("KV memory leak detected when idle: " + "; ".join(problems))
+
+    def self_check_during_busy(self) -> None:
+        """Every page is free, in the tree, or held by a live request; none is both free
+        and used (SGLang's strict busy check; the tests call it every iteration)."""
+        problems = self._slot_ownership_problems(require_complete=True)
+        if problems:
+            raise RuntimeError("KV memory accounting broken: " + "; ".join(problems))
+
+    def _slot_ownership_problems(self, require_complete: bool) -> list[str]:
+        page = self.page_size
+        alloc = self.token_to_kv_pool_allocator
+        free_pages = list(alloc.free_pages)
+        free = set(free_pages)
+        problems = []
+        if len(free) != len(free_pages):
+            problems.append("a page is free twice")
+        tree = set((self.tree_cache.all_values_flatten() // page).tolist())
+        held: set[int] = set()
+        for req in self.live_reqs():
+            if req.req_pool_idx is not None:
+                slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_committed_len]
+                held |= set((slots // page).tolist())
+            elif len(req.prefix_indices) and req is self.chunked_req:
+                held |= set((req.prefix_indices // page).tolist())
+        if free & tree:
+            problems.append(f"{len(free & tree)} pages both free and cached")
+        if free & held:
+            problems.append(f"{len(free & held)} pages both free and held by a request")
+        all_pages = set(range(1, self.max_total_num_tokens // page + 1))
+        missing = all_pages - free - tree - held
+        if require_complete and missing:
+            problems.append(f"{len(missing)} pages leaked (neither free, cached nor held)")
+        return problems
+
+    # --- the loop ---------------------------------------------------------------------
+
+    def step(self) -> list[BatchStrOut]:
+        """One iteration of event_loop_normal; returns what the requests produced."""
+        self.iteration += 1
+        self.bus.iteration = self.iteration
+        self.process_input_requests(self.recv_requests())
+        batch = self.get_next_batch_to_run()
+        self.cur_batch = batch
+        if batch is not None:
+            result = self.run_batch(batch)
+            self.process_batch_result(batch, result)
+        else:
+            self.self_check_during_idle()
+        self.last_batch = batch
+        if self.bus.active:
+            self.bus.emit(ev.IterationFinished, num_waiting=len(self.waiting_queue),
+                          num_running=self.running_batch.batch_size() + (batch.batch_size() if batch is not None
+                                                                        and batch is not self.running_batch else 0),
+                          token_usage=self.token_usage(), cache_hit_rate=self.cache_hit_rate(),
+                          new_token_ratio=self.new_token_ratio)
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def event_loop_normal(self, stop: Any = None, on_outputs: Any = None) -> None:
+        """Run until ``stop()`` is true; block on the request queue while idle."""
+        while stop is None or not stop():
+            if not self.has_work():
+                try:
+                    self.request_queue.put(self.request_queue.get(timeout=0.05))
+                except queue.Empty:
+                    continue
+            outputs = self.step()
+            if on_outputs is not None and outputs:
+                on_outputs(outputs)

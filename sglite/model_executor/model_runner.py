@@ -1,0 +1,129 @@
+"""ModelRunner: loads the model, owns the KV pools and the attention backend, runs
+one forward and samples (SGLang: model_executor/model_runner.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+
+from sglite.configs.model_config import ModelConfig
+from sglite.layers.attention.base_attn_backend import AttentionBackend
+from sglite.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglite.layers.rotary_embedding import RotaryEmbedding
+from sglite.layers.sampler import Sampler
+from sglite.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from sglite.model_executor.forward_batch_info import ForwardBatch
+from sglite.models.llama import LlamaForCausalLM
+from sglite.server_args import ServerArgs
+
+logger = logging.getLogger("sglite")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch sees no CUDA device")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return _DTYPES[dtype]
+
+
+def _available_memory_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info()
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs, model_config: ModelConfig | None = None,
+                 weights: dict[str, torch.Tensor] | None = None):
+        """Load ``server_args.model_path`` unless ``model_config`` and ``weights`` are given."""
+        self.server_args = server_args
+        self.device = resolve_device(server_args.device)
+        self.dtype = resolve_dtype(server_args.dtype, self.device)
+        self.tokenizer = None
+        if model_config is None or weights is None:
+            from sglite.model_loader import load_model
+
+            loaded = load_model(server_args.model_path, dtype=self.dtype)
+            model_config, weights, self.tokenizer = loaded.config, loaded.weights, loaded.tokenizer
+        self.model_config = model_config
+        self.context_len = min(server_args.context_length or model_config.context_len, model_config.context_len)
+        self.model = self._build_model(model_config, weights)
+        self.sampler = Sampler()
+        self.init_memory_pool()
+        self.attn_backend = self._build_attn_backend()
+
+    def _build_model(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> LlamaForCausalLM:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        # built on "meta" to skip random init; the RoPE table is a buffer, so compute it here
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.cos_sin_cache = module._compute_cos_sin_cache().to(self.device)
+        model.load_weights((k, v.to(self.device, self.dtype)) for k, v in weights.items())
+        model.eval()
+        return model
+
+    def _build_attn_backend(self) -> AttentionBackend:
+        name = self.server_args.attention_backend
+        if name == "auto":
+            name = "torch_native"
+        if name == "triton":
+            raise ValueError("attention backend 'triton' is not available yet in this build; use torch_native")
+        return TorchNativeAttnBackend()
+
+    def profile_max_num_token(self) -> int:
+        c = self.model_config
+        cell = MHATokenToKVPool.cell_size(c.num_key_value_heads, c.head_dim, c.num_hidden_layers, self.dtype)
+        avail = _available_memory_bytes(self.device)
+        frac = self.server_args.mem_fraction_static
+        if self.device.startswith("cuda"):
+            budget = avail * (frac if frac is not None else 0.88)
+        else:
+            # weights already sit in RAM; give the KV pool a modest share of what is left
+            budget = avail * (frac if frac is not None else 0.1)
+        return int(budget // cell)
+
+    def init_memory_pool(self) -> None:
+        sa = self.server_args
+        c = self.model_config
+        max_total = sa.max_total_tokens or self.profile_max_num_token()
+        max_total = max(sa.page_size, max_total // sa.page_size * sa.page_size)
+        self.max_total_num_tokens = max_total
+        max_reqs = sa.max_running_requests or max(1, min(4096, max_total // 2))
+        self.max_running_requests = max_reqs
+        # +1 row so a retracted-and-readmitted request always finds a slot
+        self.req_to_token_pool = ReqToTokenPool(max_reqs + 1, self.context_len + 4, self.device)
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_total, sa.page_size, self.device)
+        self.token_to_kv_pool = MHATokenToKVPool(
+            max_total, sa.page_size, self.dtype, c.num_key_value_heads, c.head_dim, c.num_hidden_layers, self.device
+        )
+        logger.info("KV pool: %d tokens, %d request slots", max_total, max_reqs)
+
+    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Logits: one row per request (its last row), or every row with return_all_logits."""
+        self.attn_backend.init_forward_metadata(forward_batch)
+        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    def sample(self, logits: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        return self.sampler(logits, forward_batch.sampling_info)

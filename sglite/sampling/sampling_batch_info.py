@@ -1,0 +1,77 @@
+"""The batch's sampling parameters as tensors (SGLang: sampling/sampling_batch_info.py).
+
+sglite simplification: it is rebuilt from the requests every round instead of being
+filtered and merged alongside the ScheduleBatch, and penalties are computed from the
+requests' token lists rather than SGLang's incremental penalizer orchestrator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from sglite.managers.schedule_batch import Req
+
+
+@dataclass
+class SamplingBatchInfo:
+    temperatures: torch.Tensor  # [bs, 1]
+    top_ps: torch.Tensor
+    top_ks: torch.Tensor
+    min_ps: torch.Tensor
+    is_all_greedy: bool
+    need_min_p_sampling: bool
+    generators: list[torch.Generator]
+    # penalties, None when no request in the batch uses any
+    frequency_penalties: torch.Tensor | None = None
+    presence_penalties: torch.Tensor | None = None
+    repetition_penalties: torch.Tensor | None = None
+    output_token_counts: torch.Tensor | None = None  # [bs, vocab]
+    seen_tokens_mask: torch.Tensor | None = None  # [bs, vocab], prompt + output
+
+    @classmethod
+    def from_reqs(cls, reqs: Sequence["Req"], vocab_size: int, device: str | torch.device) -> "SamplingBatchInfo":
+        params = [r.sampling_params for r in reqs]
+
+        def col(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device).view(-1, 1)
+
+        info = cls(
+            temperatures=col([p.temperature for p in params], torch.float32),
+            top_ps=col([p.top_p for p in params], torch.float32),
+            top_ks=col([p.top_k for p in params], torch.int64),
+            min_ps=col([p.min_p for p in params], torch.float32),
+            is_all_greedy=all(p.is_greedy for p in params),
+            need_min_p_sampling=any(p.min_p > 0 for p in params),
+            generators=[r.sampling_generator for r in reqs],
+        )
+        if any(p.has_penalties for p in params):
+            bs = len(reqs)
+            counts = torch.zeros((bs, vocab_size), dtype=torch.float32)
+            seen = torch.zeros((bs, vocab_size), dtype=torch.bool)
+            for i, r in enumerate(reqs):
+                if r.output_ids:
+                    out = torch.tensor(r.output_ids, dtype=torch.int64)
+                    counts[i].index_add_(0, out, torch.ones(len(out)))
+                    seen[i, out] = True
+                seen[i, torch.tensor(r.origin_input_ids, dtype=torch.int64)] = True
+            info.output_token_counts = counts.to(device)
+            info.seen_tokens_mask = seen.to(device)
+            info.frequency_penalties = col([p.frequency_penalty for p in params], torch.float32)
+            info.presence_penalties = col([p.presence_penalty for p in params], torch.float32)
+            info.repetition_penalties = col([p.repetition_penalty for p in params], torch.float32)
+        return info
+
+    def apply_penalties(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.output_token_counts is None:
+            return logits
+        counts = self.output_token_counts
+        logits = logits - self.frequency_penalties * counts
+        logits = logits - self.presence_penalties * (counts > 0)
+        # repetition penalty (CTRL / HF style) on every token seen in prompt or output
+        rep = self.repetition_penalties.expand_as(logits)
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        return torch.where(self.seen_tokens_mask, penalized, logits)

@@ -1,0 +1,78 @@
+"""Per-request sampling parameters, SGLang's keys and defaults
+(SGLang: sampling/sampling_params.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+_GREEDY_EPS = 1e-6
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    # sglite: a per-request seed makes sampling reproducible whatever the batch holds
+    seed: int | None = None
+    stop_strs: list[str] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)} - {"stop_strs"}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+        return cls(**d)
+
+    def verify(self, vocab_size: int) -> None:
+        """Raise ValueError with a one-line reason for a request that cannot run."""
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not -2 <= self.presence_penalty <= 2:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        for t in self.stop_token_ids or []:
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"stop_token_ids has {t}, outside the vocabulary (0..{vocab_size - 1})")
+
+    def normalize(self) -> None:
+        """Temperature 0 means greedy, as in SGLang: keep only the top token."""
+        if self.temperature < _GREEDY_EPS:
+            self.temperature = 1.0
+            self.top_k = 1
+        if self.top_k == -1:
+            self.top_k = 1 << 30
+        stop = self.stop
+        self.stop_strs = [stop] if isinstance(stop, str) else list(stop or [])
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1

@@ -1,0 +1,97 @@
+"""ServerArgs: every knob, with SGLang's names; defaults are SGLang's where they make
+sense on a CPU (SGLang: server_args.py). Each field's help text is the CLI's --help."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_MODEL = "smollm2-135m"
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ServerArgs:
+    # model
+    model_path: str = _opt(DEFAULT_MODEL, "registry name (smollm2-135m, tiny-random), a .gguf file or a Hugging Face folder")
+    dtype: str = _opt("auto", "weights and KV dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16",
+                      choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = _opt("auto", "cpu, cuda, or auto (cuda when available)")
+    context_length: int | None = _opt(None, "max tokens per request (prompt + output); default: the model's")
+    # memory
+    max_total_tokens: int | None = _opt(None, "KV pool size in tokens; default: from mem_fraction_static")
+    mem_fraction_static: float | None = _opt(
+        None, "fraction of free memory for weights + KV pool (default 0.88 on CUDA; on CPU 0.1 of available RAM for the KV pool)")
+    page_size: int = _opt(1, "tokens per KV page")
+    max_running_requests: int | None = _opt(None, "cap on requests in running_batch (default: from the pool size)")
+    # scheduling
+    max_prefill_tokens: int = _opt(16384, "token budget of one prefill batch (rem_input_tokens)")
+    chunked_prefill_size: int | None = _opt(512, "longest prefill chunk of one request (rem_chunk_tokens); -1 or None disables chunking")
+    enable_mixed_chunk: bool = _opt(False, "run decode rows as 1-token extends inside a prefill batch (ForwardMode.MIXED)")
+    schedule_policy: str = _opt("fcfs", "order of the waiting_queue", choices=SCHEDULE_POLICIES)
+    schedule_conservativeness: float = _opt(1.0, "scales init_new_token_ratio: higher admits fewer new requests")
+    disable_radix_cache: bool = _opt(False, "use ChunkCache: no prefix reuse")
+    random_seed: int = _opt(42, "seed for requests that bring no seed of their own")
+    waiting_timeout: float | None = _opt(None, "abort a request that waits longer than this many seconds")
+    running_timeout: float | None = _opt(None, "abort a request that runs longer than this many seconds")
+    # kernels
+    attention_backend: str = _opt("auto", "torch_native or triton (auto: torch_native on CPU)",
+                                  choices=("auto", "torch_native", "triton"))
+    # observability
+    decode_log_interval: int = _opt(40, "log a 'Decode batch.' line every N decode rounds")
+    log_level: str = _opt("warning", "logging level of the sglite logger", choices=("debug", "info", "warning", "error"))
+    enable_self_check: bool = _opt(True, "check every KV slot is accounted for when idle")
+
+    def __post_init__(self) -> None:
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
+            self.chunked_prefill_size = None
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}; got {self.schedule_policy!r}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size % self.page_size:
+            raise ValueError("chunked_prefill_size must be a multiple of page_size")
+        if self.max_total_tokens is not None and self.max_total_tokens <= 0:
+            raise ValueError("max_total_tokens must be positive")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(kwargs) - names
+        if unknown:
+            raise TypeError(f"unknown server argument(s): {', '.join(sorted(unknown))}")
+        return cls(**kwargs)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("server arguments (SGLang names)")
+        for f in dataclasses.fields(ServerArgs):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help", "")
+            if f.type in ("bool", bool):
+                group.add_argument(flag, action="store_true", default=f.default, help=help_text)
+                continue
+            typ = _parse_type(f.type)
+            kw: dict[str, Any] = {"type": typ, "default": f.default, "help": f"{help_text} (default: {f.default})"}
+            if "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
+            group.add_argument(flag, **kw)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _parse_type(annotation: Any) -> Any:
+    text = str(annotation)
+    if text.startswith("int"):
+        return int
+    if text.startswith("float"):
+        return float
+    return str

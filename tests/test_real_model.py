@@ -1,0 +1,96 @@
+"""sglite against Hugging Face transformers on the real SmolLM2-135M-Instruct GGUF
+(float32): logits, greedy continuations, the chat answer, and the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglite.engine import Engine
+from sglite.model_executor.model_runner import ModelRunner
+from sglite.server_args import ServerArgs
+from tests.helpers import HandScheduler
+
+pytestmark = pytest.mark.real_model
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village,",
+    "Water boils at a temperature of",
+    "The three primary colors are",
+    "To make a cup of tea, first",
+    "import numpy as np\nx = np.",
+    "Ünïcödé and emoji 🚀 test:",
+]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    from sglite.model_loader.registry import resolve_smollm2_gguf
+
+    return resolve_smollm2_gguf()
+
+
+@pytest.fixture(scope="module")
+def hf(gguf_path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    return model.eval(), tok
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine("smollm2-135m", max_total_tokens=8192)
+
+
+def test_logits_match_transformers(hf, engine):
+    model, tok = hf
+    runner = engine.scheduler.model_runner
+    hs = HandScheduler(runner)
+    for prompt in PROMPTS[:4]:
+        ids = engine.tokenizer.encode(prompt)
+        assert ids == tok.encode(prompt, add_special_tokens=False)
+        with torch.no_grad():
+            ref = model(torch.tensor([ids])).logits[0]
+        ours = hs.extend([(hs.new_seq(), ids)])
+        diff = (ours - ref).abs().max().item()
+        assert diff <= 1e-3, (prompt, diff)
+    for idx in hs.tokens:
+        runner.req_to_token_pool.free(idx)
+    runner.token_to_kv_pool_allocator.clear()
+
+
+def test_greedy_continuations_match_transformers(hf, engine):
+    model, tok = hf
+    prompts = PROMPTS + [tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)]
+    outs = engine.generate(prompts, sampling_params={"max_new_tokens": 32, "temperature": 0})
+    for prompt, out in zip(prompts, outs):
+        ids = tok.encode(prompt, add_special_tokens=False)
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                 eos_token_id=2, pad_token_id=2)[0, len(ids):].tolist()
+        assert out["output_ids"] == ref, prompt
+
+
+def test_chat_capital_of_france(engine):
+    out = engine.generate(messages=CHAT, sampling_params={"max_new_tokens": 32, "temperature": 0})
+    assert out["text"] == "The capital of France is Paris."
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
+
+
+def test_cli_generate_chat():
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglite.cli", "generate", "--chat", "What is the capital of France?"],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "The capital of France is Paris."
