@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
+from sglite.mem_cache.memory_pool import TokenToKVPoolAllocator
 from sglite.mem_cache.radix_cache import RadixCache
 
 if TYPE_CHECKING:
     from sglite.managers.schedule_batch import Req, ScheduleBatch
     from sglite.mem_cache.base_prefix_cache import BasePrefixCache
-    from sglite.mem_cache.memory_pool import TokenToKVPoolAllocator
 
 # A running request's future tokens are reserved as min(remaining, CLIP) * ratio, so a
 # huge max_new_tokens does not make the scheduler absurdly conservative.
@@ -45,8 +45,8 @@ class SchedulePolicy:
         self.policy = self._validate_and_adjust_policy(policy, tree_cache)
         self.tree_cache = tree_cache
         self.rng = random.Random(seed)
-        # a pool-less radix tree of the waiting prompts, for in-batch prefix caching
-        self.waiting_queue_radix_tree = RadixCache(None, None, page_size=1)
+        # a radix tree of the waiting prompts (values unused), for in-batch prefix caching
+        self.waiting_queue_radix_tree = RadixCache(None, TokenToKVPoolAllocator(1), page_size=1)
         self.temporary_deprioritized: set[str] = set()
 
     @staticmethod

