@@ -94,3 +94,37 @@ def test_cli_generate_chat():
         capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "The capital of France is Paris."
+
+
+def test_config_matches_the_model_card(engine):
+    c = engine.scheduler.model_config
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (
+        30, 576, 9, 3, 64)
+    assert (c.intermediate_size, c.vocab_size, c.rope_theta, c.tie_word_embeddings) == (1536, 49152, 100000.0, True)
+    assert c.eos_token_ids == [2]
+
+
+TRICKY = ["Hello world", "  leading spaces\n\ttabs", "naïve café — ‘quotes’ 🚀🚀", "x = [1, 2, 3]  # code",
+          "<|im_start|>user\nhi<|im_end|>", "1234567890 3.14159", "日本語のテキスト"]
+
+
+def test_tokenizer_and_chat_template_match_transformers(hf, engine):
+    _, tok = hf
+    for s in TRICKY:
+        assert engine.tokenizer.encode(s) == tok.encode(s, add_special_tokens=False), s
+        ids = tok.encode(s, add_special_tokens=False)
+        assert engine.tokenizer.decode(ids, skip_special_tokens=False) == tok.decode(ids)
+    for msgs in (CHAT, [{"role": "system", "content": "Be brief."}, *CHAT]):
+        assert engine.tokenizer.apply_chat_template(msgs) == tok.apply_chat_template(
+            msgs, tokenize=False, add_generation_prompt=True)
+
+
+def test_unpermuted_qk_equal_transformers_weights(hf, gguf_path):
+    from sglite.model_loader import load_model
+
+    model, _ = hf
+    ours = load_model(str(gguf_path)).weights
+    theirs = model.state_dict()
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                 "model.layers.29.self_attn.k_proj.weight"):
+        assert (ours[name] - theirs[name]).abs().max().item() <= 1e-6, name

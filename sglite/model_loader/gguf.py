@@ -129,7 +129,7 @@ def read_tensors(reader, config: ModelConfig, path: Path,
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
             raise ModelLoadError(f"{path}: tensor {t.name} ({qtype}) could not be dequantized: {e}") from None
-        w = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(shape))
+        w = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape))  # a copy: the file is mapped read-only
         if config.architecture == "llama":
             if t.name.endswith("attn_q.weight") or t.name.endswith("attn_q.bias"):
                 w = unpermute_qk(w, config.num_attention_heads)
@@ -143,12 +143,16 @@ def read_tensors(reader, config: ModelConfig, path: Path,
     return weights
 
 
-def load_gguf(path: Path, progress: Callable[[str], None] | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+def check_magic(path: Path) -> None:
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such file")
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ModelLoadError(f"{path}: not a GGUF file (bad magic)")
+
+
+def load_gguf(path: Path, progress: Callable[[str], None] | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    check_magic(path)
     reader = _reader(path)
     config = read_config(reader, path)
     tokenizer = read_tokenizer(reader, path)

@@ -98,10 +98,9 @@ def _load_converted(d: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str,
 def load_gguf_cached(path: Path, dtype: torch.dtype, cache_dir: Path | None = None) -> LoadedModel:
     from safetensors.torch import save_file
 
-    from sglite.model_loader.gguf import load_gguf, stderr_progress
+    from sglite.model_loader.gguf import check_magic, load_gguf, stderr_progress
 
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: no such file")
+    check_magic(path)
     root = (cache_dir or default_cache_dir()) / "converted"
     d = root / f"{path.stem}-{_cache_key(path)}"
     if (d / "model.safetensors").is_file():
