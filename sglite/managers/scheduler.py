@@ -204,6 +204,9 @@ class Scheduler:
             self.waiting_queue.remove(req)
         if req is self.chunked_req:
             self.chunked_req = None
+            if req.req_pool_idx is not None:
+                # the state between chunks: its computed part becomes prefix_indices
+                self.tree_cache.cache_unfinished_req(req)
         if req.req_pool_idx is not None:
             self.tree_cache.cache_finished_req(req)
         self.bus.emit(ev.ReqAborted, rid=req.rid, reason=message)

@@ -18,7 +18,7 @@ request = st.tuples(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     reqs=st.lists(request, min_size=1, max_size=12),
     pool=st.sampled_from([64, 96, 160, 512]),

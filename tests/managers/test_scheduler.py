@@ -187,3 +187,29 @@ def test_chunked_prefill_events():
     assert [e.extend_len for e in admitted] == [16, 16, 16, 2]
     assert [e.prefix_len for e in admitted] == [0, 16, 32, 48]
     assert [e.chunk_index for e in log.of(ev.ReqChunked)] == [0, 1, 2]
+
+
+def test_waiting_timeout_aborts_a_request_that_never_started():
+    engine = make_engine(max_running_requests=1)
+    params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    engine.submit(input_ids=[3, 4, 5], sampling_params=params, rid="first")
+    engine.step()  # "first" is running; from now on any wait is too long
+    engine.scheduler.server_args.waiting_timeout = 0.0
+    engine.submit(input_ids=[6, 7, 8], sampling_params=params, rid="second")
+    run_to_idle(engine)
+    assert engine.result("first")["meta_info"]["finish_reason"]["type"] == "length"
+    reason = engine.result("second")["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "waiting_timeout" in reason["message"]
+
+
+def test_sglang_log_lines(caplog):
+    engine = make_engine(max_total_tokens=400, schedule_conservativeness=0.05, decode_log_interval=5,
+                         log_level="info")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(10, 40))] for _ in range(24)]
+    with caplog.at_level("INFO", logger="sglite"):
+        engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 30, "temperature": 0, "ignore_eos": True})
+    text = caplog.text
+    assert "Prefill batch. #new-seq: " in text and "#cached-token: " in text and "#queue-req: " in text
+    assert "Decode batch. #running-req: " in text and "gen throughput (token/s): " in text
+    assert "KV cache pool is full. Retract requests. #retracted_reqs: " in text and "#new_token_ratio: " in text
