@@ -122,6 +122,9 @@ class ReqArrived(Event):
     rid: str = ""
     prompt_tokens: int = 0
     max_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
 
 
 @dataclass(frozen=True)
@@ -235,6 +238,15 @@ class CacheEvicted(Event):
 
 @dataclass(frozen=True)
 class IterationFinished(Event):
+    """End of one scheduler iteration, with when each of its phases ended (monotonic
+    seconds): started -> scheduled (get_next_batch_to_run) -> forwarded (run_batch)
+    -> ts (process_batch_result)."""
+
+    started: float = 0.0
+    scheduled: float = 0.0
+    forwarded: float = 0.0
+    forward_mode: str = ""  # "" when the round was idle
+    rids: tuple[str, ...] = ()
     num_waiting: int = 0
     num_running: int = 0
     token_usage: float = 0.0

@@ -169,6 +169,7 @@ class Scheduler:
             self._reject(recv_req, error)
             return
         params = recv_req.sampling_params
+        recv_req_temperature = params.temperature  # before normalize() turns 0 into greedy top_k=1
         params.normalize()
         # like SGLang: the output may use whatever the prompt leaves of max_req_len
         params.max_new_tokens = min(params.max_new_tokens, self.max_req_len - len(recv_req.input_ids))
@@ -180,7 +181,8 @@ class Scheduler:
         self._known_rids.add(req.rid)
         self.waiting_queue.append(req)
         self.bus.emit(ev.ReqArrived, rid=req.rid, prompt_tokens=len(req.origin_input_ids),
-                      max_new_tokens=params.max_new_tokens)
+                      max_new_tokens=params.max_new_tokens, temperature=recv_req_temperature,
+                      top_p=params.top_p, top_k=recv_req.sampling_params.top_k if params.top_k < (1 << 30) else -1)
 
     def _reject(self, recv_req: TokenizedGenerateReqInput, error: str) -> None:
         reason = FINISH_ABORT(error, is_error=True)
@@ -528,23 +530,34 @@ class Scheduler:
         """One iteration of event_loop_normal; returns what the requests produced."""
         self.iteration += 1
         self.bus.iteration = self.iteration
+        started = time.monotonic()
         self.process_input_requests(self.recv_requests())
         batch = self.get_next_batch_to_run()
         self.cur_batch = batch
+        scheduled = forwarded = time.monotonic()
         if batch is not None:
             result = self.run_batch(batch)
+            forwarded = time.monotonic()
             self.process_batch_result(batch, result)
         else:
             self.self_check_during_idle()
         self.last_batch = batch
         if self.bus.active:
-            self.bus.emit(ev.IterationFinished, num_waiting=len(self.waiting_queue),
-                          num_running=self.running_batch.batch_size() + (batch.batch_size() if batch is not None
-                                                                        and batch is not self.running_batch else 0),
-                          token_usage=self.token_usage(), cache_hit_rate=self.cache_hit_rate(),
-                          new_token_ratio=self.new_token_ratio)
+            self.bus.emit(
+                ev.IterationFinished, started=started, scheduled=scheduled, forwarded=forwarded,
+                forward_mode=batch.forward_mode.name if batch is not None else "",
+                rids=tuple(r.rid for r in batch.reqs) if batch is not None else (),
+                num_waiting=len(self.waiting_queue), num_running=len(self.running_reqs()),
+                token_usage=self.token_usage(), cache_hit_rate=self.cache_hit_rate(),
+                new_token_ratio=self.new_token_ratio,
+            )
         outputs, self._outputs = self._outputs, []
         return outputs
+
+    def running_reqs(self) -> list[Req]:
+        """Requests past admission and not finished (the running batch, plus a batch
+        just prefilled that merges into it next round)."""
+        return [r for r in self.live_reqs() if r not in self.waiting_queue and r is not self.chunked_req]
 
     def event_loop_normal(self, stop: Any = None, on_outputs: Any = None) -> None:
         """Run until ``stop()`` is true; block on the request queue while idle."""

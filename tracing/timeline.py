@@ -1,0 +1,225 @@
+"""Events -> a tree of timed intervals: one tree per request (its stages) and one per
+scheduler iteration (its phases). Both the OpenTelemetry exporter and the Perfetto
+converter are built on this, so a trace and a timeline always agree.
+
+A node is *opened* when it starts (a request's root at arrival) and *closed* when it
+ends; listeners get both calls. Times are the events' monotonic seconds.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from sglite import events as ev
+
+TRACE_LEVEL_REQUESTS = 1  # request stages
+TRACE_LEVEL_ITERATIONS = 2  # + scheduler iterations and forwards
+TRACE_LEVEL_TOKENS = 3  # + one span event per emitted token
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class Node:
+    name: str
+    start: float
+    kind: str  # "request", "stage", "iteration", "phase"
+    track: str  # "req <rid>", "scheduler", "forward"
+    parent: "Node | None" = None
+    end: float | None = None
+    attributes: dict[str, Any] = field(default_factory=dict)
+    events: list[tuple[str, float, dict[str, Any]]] = field(default_factory=list)
+    links: list["Node"] = field(default_factory=list)
+    error: str | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    handle: Any = None  # the listener's object (an OTel span)
+
+
+class Listener:
+    def on_open(self, node: Node) -> None: ...
+
+    def on_close(self, node: Node) -> None: ...
+
+
+@dataclass
+class _ReqState:
+    root: Node
+    stage: Node | None = None
+    chunks: int = 0
+    first_token_at: float | None = None  # decode starts here once a second token comes
+
+
+class TimelineBuilder:
+    """Subscribe it to an EventBus (or feed it a recording)."""
+
+    def __init__(self, listener: Listener, level: int = TRACE_LEVEL_ITERATIONS, model: str = ""):
+        self.listener = listener
+        self.level = level
+        self.model = model
+        self.reqs: dict[str, _ReqState] = {}
+        self._iteration: list[ev.Event] = []
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            ev.ReqArrived: self._arrived, ev.ReqAdmitted: self._admitted, ev.ReqChunked: self._chunked,
+            ev.TokensEmitted: self._tokens, ev.ReqRetracted: self._retracted, ev.ReqFinished: self._finished,
+            ev.ReqAborted: self._aborted, ev.CacheMatched: self._cache_matched,
+            ev.IterationFinished: self._iteration_finished,
+        }
+
+    def __call__(self, event: ev.Event) -> None:
+        if isinstance(event, (ev.BatchPlanned, ev.ForwardStarted, ev.ForwardFinished, ev.AdmissionStopped)):
+            if self.level >= TRACE_LEVEL_ITERATIONS:
+                self._iteration.append(event)
+            return
+        handler = self._handlers.get(type(event))
+        if handler is not None:
+            handler(event)
+
+    # --- nodes ------------------------------------------------------------------------
+
+    def _open(self, node: Node) -> Node:
+        self.listener.on_open(node)
+        return node
+
+    def _close(self, node: Node, end: float) -> None:
+        node.end = max(end, node.start)
+        self.listener.on_close(node)
+
+    def _stage(self, st: _ReqState, name: str, start: float, **attrs: Any) -> None:
+        st.stage = self._open(Node(name, start, "stage", st.root.track, st.root, attributes=attrs))
+
+    def _end_stage(self, st: _ReqState, end: float) -> None:
+        if st.stage is not None:
+            self._close(st.stage, end)
+            st.stage = None
+
+    # --- requests ---------------------------------------------------------------------
+
+    def _arrived(self, e: ev.ReqArrived) -> None:
+        attrs = {
+            "gen_ai.operation.name": "text_completion", "gen_ai.request.model": self.model,
+            "gen_ai.request.max_tokens": e.max_new_tokens, "gen_ai.request.temperature": e.temperature,
+            "gen_ai.request.top_p": e.top_p, "gen_ai.request.top_k": e.top_k, "gen_ai.response.id": e.rid,
+            "gen_ai.usage.input_tokens": e.prompt_tokens,
+        }
+        root = self._open(Node(f"req {e.rid}", e.ts, "request", f"req {e.rid}", attributes=attrs))
+        st = self.reqs[e.rid] = _ReqState(root)
+        self._stage(st, "waiting", e.ts)
+
+    def _admitted(self, e: ev.ReqAdmitted) -> None:
+        st = self.reqs.get(e.rid)
+        if st is None:
+            return
+        self._end_stage(st, e.ts)
+        name = f"prefill.chunk[{st.chunks}]" if (e.chunked or st.chunks) else "prefill"
+        self._stage(st, name, e.ts, **{"sglite.prefix_len": e.prefix_len, "sglite.extend_len": e.extend_len})
+
+    def _cache_matched(self, e: ev.CacheMatched) -> None:
+        st = self.reqs.get(e.rid)
+        if st is not None and e.matched_len > 0:
+            st.root.events.append(("cache_hit", e.ts, {"sglite.matched_len": e.matched_len, "sglite.key_len": e.key_len}))
+
+    def _chunked(self, e: ev.ReqChunked) -> None:
+        st = self.reqs.get(e.rid)
+        if st is None:
+            return
+        if st.stage is not None:
+            st.stage.attributes["sglite.computed_len"] = e.computed_len
+        self._end_stage(st, e.ts)
+        st.chunks += 1
+
+    def _tokens(self, e: ev.TokensEmitted) -> None:
+        st = self.reqs.get(e.rid)
+        if st is None:
+            return
+        if st.stage is not None and st.stage.name.startswith("prefill"):
+            self._end_stage(st, e.ts)
+            st.first_token_at = e.ts
+        elif st.stage is None and st.first_token_at is not None:
+            self._stage(st, "decode", st.first_token_at)
+        if self.level >= TRACE_LEVEL_TOKENS:
+            target = st.stage or st.root
+            target.events.append(("token", e.ts, {"sglite.token_ids": list(e.token_ids), "sglite.text": e.text}))
+
+    def _retracted(self, e: ev.ReqRetracted) -> None:
+        st = self.reqs.get(e.rid)
+        if st is None:
+            return
+        self._end_stage(st, e.ts)
+        st.first_token_at = None
+        st.root.events.append(("retract", e.ts, {
+            "sglite.reason": e.reason, "sglite.output_tokens": e.output_tokens,
+            "sglite.new_token_ratio.before": e.old_new_token_ratio, "sglite.new_token_ratio": e.new_token_ratio}))
+        self._stage(st, "waiting", e.ts, **{"sglite.after_retract": True})
+
+    def _end_request(self, rid: str, ts: float, reason: str, **attrs: Any) -> _ReqState | None:
+        st = self.reqs.pop(rid, None)
+        if st is None:
+            return None
+        self._end_stage(st, ts)
+        st.root.attributes["gen_ai.response.finish_reasons"] = [reason]
+        st.root.attributes.update(attrs)
+        self._close(st.root, ts)
+        return st
+
+    def _finished(self, e: ev.ReqFinished) -> None:
+        self._end_request(e.rid, e.ts, e.reason, **{
+            "gen_ai.usage.output_tokens": e.completion_tokens, "sglite.cached_tokens": e.cached_tokens})
+
+    def _aborted(self, e: ev.ReqAborted) -> None:
+        st = self.reqs.get(e.rid)
+        if st is None:  # rejected before it became a Req
+            node = self._open(Node(f"req {e.rid}", e.ts, "request", f"req {e.rid}", attributes={
+                "gen_ai.response.id": e.rid, "gen_ai.response.finish_reasons": ["abort"]}))
+            node.error = e.reason
+            self._close(node, e.ts)
+            return
+        st.root.error = e.reason
+        st.root.events.append(("abort", e.ts, {"sglite.reason": e.reason}))
+        self._end_request(e.rid, e.ts, "abort")
+
+    # --- iterations -------------------------------------------------------------------
+
+    def _iteration_finished(self, e: ev.IterationFinished) -> None:
+        buffered, self._iteration = self._iteration, []
+        if self.level < TRACE_LEVEL_ITERATIONS or not e.forward_mode:
+            return  # idle rounds would only add noise
+        planned = next((x for x in buffered if isinstance(x, ev.BatchPlanned)), None)
+        fwd_start = next((x for x in buffered if isinstance(x, ev.ForwardStarted)), None)
+        fwd_end = next((x for x in buffered if isinstance(x, ev.ForwardFinished)), None)
+        rows = planned.num_rows if planned else 0
+        links = [self.reqs[r].root for r in e.rids if r in self.reqs]
+        it = self._open(Node("ScheduleBatch", e.started, "iteration", "scheduler", links=links, attributes={
+            "sglite.iteration": e.iteration, "sglite.forward_mode": e.forward_mode,
+            "sglite.batch_size": len(e.rids), "sglite.num_rows": rows, "sglite.num_waiting": e.num_waiting,
+            "sglite.num_running": e.num_running, "sglite.token_usage": e.token_usage,
+            "sglite.cache_hit_rate": e.cache_hit_rate, "sglite.new_token_ratio": e.new_token_ratio,
+            "sglite.rids": list(e.rids)}))
+        plan_attrs: dict[str, Any] = {}
+        if planned is not None:
+            plan_attrs = {"sglite.prefix_lens": list(planned.prefix_lens), "sglite.extend_lens": list(planned.extend_lens),
+                          "sglite.seq_lens": list(planned.seq_lens), "sglite.num_rows": planned.num_rows}
+            if planned.out_cache_loc:
+                plan_attrs["sglite.out_cache_loc"] = [min(planned.out_cache_loc), max(planned.out_cache_loc)]
+        stop = next((x for x in buffered if isinstance(x, ev.AdmissionStopped)), None)
+        if stop is not None:
+            plan_attrs["sglite.admission_stopped"] = stop.reason
+        self._close(self._open(Node("get_next_batch_to_run", e.started, "phase", "scheduler", it,
+                                    attributes=plan_attrs)), e.scheduled)
+        run = self._open(Node("run_batch", e.scheduled, "phase", "scheduler", it))
+        if fwd_start is not None and fwd_end is not None:
+            fwd = self._open(Node("forward", fwd_start.ts, "phase", "forward", run, attributes={
+                "sglite.forward_mode": fwd_end.forward_mode, "sglite.batch_size": fwd_end.batch_size,
+                "sglite.num_rows": fwd_end.num_tokens, "sglite.attention_backend": fwd_end.backend}))
+            self._close(fwd, fwd_end.ts)
+        self._close(run, e.forwarded)
+        self._close(self._open(Node("process_batch_result", e.forwarded, "phase", "scheduler", it)), e.ts)
+        self._close(it, e.ts)
+
+    def close_open(self, ts: float) -> None:
+        """End whatever is still open (an engine shut down mid-request)."""
+        for rid in list(self.reqs):
+            st = self.reqs[rid]
+            st.root.error = "still running when tracing stopped"
+            self._end_request(rid, ts, "unfinished")
