@@ -4,9 +4,55 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from importlib.metadata import entry_points
+from types import ModuleType
+from typing import Any, Callable, Sequence
 
 from sglite.server_args import ServerArgs
+
+
+def plugins() -> list[ModuleType]:
+    """Viewer packages (tracing, tui, walkthroughs) add their options and commands
+    through the ``sglite.cli_plugins`` entry point; the engine never imports them."""
+    found = []
+    for ep in sorted(entry_points(group="sglite.cli_plugins"), key=lambda e: e.name):
+        try:
+            found.append(ep.load())
+        except ImportError as e:  # a viewer's optional dependency is missing
+            print(f"warning: sglite plugin {ep.name!r} unavailable: {e}", file=sys.stderr)
+    return found
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of every command that runs an engine."""
+    ServerArgs.add_cli_args(parser)
+    parser.add_argument("--record", default=None, metavar="PATH",
+                        help="write every engine event as JSON lines (replay it, or convert it with `sglite trace`)")
+    for plugin in plugins():
+        if hasattr(plugin, "add_engine_arguments"):
+            plugin.add_engine_arguments(parser)
+
+
+def attach_viewers(engine: Any, args: argparse.Namespace) -> Callable[[], None]:
+    """Subscribe the recorder and the plugins' viewers; returns what closes them."""
+    from sglite.events import EventRecorder
+
+    closers: list[Callable[[], None]] = []
+    if getattr(args, "record", None):
+        rec = EventRecorder(args.record)
+        unsubscribe = engine.event_bus.subscribe(rec)
+        closers += [rec.close, unsubscribe]
+    for plugin in plugins():
+        if hasattr(plugin, "attach"):
+            closer = plugin.attach(engine.event_bus, args, engine.server_args.model_path)
+            if closer is not None:
+                closers.append(closer)
+
+    def close() -> None:
+        for c in reversed(closers):
+            c()
+
+    return close
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -22,7 +68,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--show-stats", action="store_true", help="print token counts and latency after the text")
-    ServerArgs.add_cli_args(p)
+    add_engine_arguments(p)
     p.set_defaults(func=_run_generate)
 
 
@@ -36,6 +82,15 @@ def _run_generate(args: argparse.Namespace) -> int:
     except ModelLoadError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    close_viewers = attach_viewers(engine, args)
+    try:
+        return _generate(engine, args)
+    finally:
+        engine.shutdown()
+        close_viewers()
+
+
+def _generate(engine: Any, args: argparse.Namespace) -> int:
     params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
               "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "stop": args.stop}
     if args.chat:
@@ -58,7 +113,6 @@ def _run_generate(args: argparse.Namespace) -> int:
         ttft = meta.get("time_to_first_token")
         print(f"[{meta['prompt_tokens']} prompt tokens, {meta['completion_tokens']} generated, "
               f"finish {meta['finish_reason']}, ttft {ttft:.3f}s, e2e {meta['e2e_latency']:.3f}s]", file=sys.stderr)
-    engine.shutdown()
     return 0
 
 
@@ -66,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sglite", description="A small SGLang-style inference engine built to be watched.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
+    for plugin in plugins():
+        if hasattr(plugin, "add_commands"):
+            plugin.add_commands(sub)
     return parser
 
 

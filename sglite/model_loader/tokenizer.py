@@ -41,14 +41,17 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(keep, map(chr, chars)))
 
 
-def build_byte_level_bpe(tokens: list[str], merges: list[str], special: list[str], pre: str | None) -> HFTokenizer:
+def build_byte_level_bpe(tokens: list[str], merges: list[str], special: list[str], pre: str | None,
+                         user_defined: list[str] = ()) -> HFTokenizer:
+    """Mirror transformers' GGUF conversion, token for token: that is the reference the
+    real-model tests hold sglite to."""
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     vocab = {}
     for i, tok in enumerate(tokens):
         # a token outside the byte alphabet is stored as text; spell its UTF-8 bytes
         key = tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8"))
-        vocab.setdefault(key, i)
+        vocab[key] = i  # a duplicate spelling keeps its last id, as transformers does
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     tk = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
     split = PRE_TOKENIZER_SPLITS.get(pre or "")
@@ -60,7 +63,10 @@ def build_byte_level_bpe(tokens: list[str], merges: list[str], special: list[str
     else:
         tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
+    # a control token outside the byte alphabet is a llama.cpp mislabel; adding it would grow the vocab
     tk.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special if set(t) <= alphabet])
+    known = tk.get_vocab()
+    tk.add_tokens([AddedToken(t, normalized=False, special=False) for t in user_defined if t in known])
     return tk
 
 

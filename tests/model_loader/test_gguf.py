@@ -235,3 +235,51 @@ def test_cli_reports_one_clear_line(tmp_path):
     assert proc.returncode == 1
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "not a GGUF file" in lines[0], proc.stderr
+
+
+def test_llama3_rope_scaling_recovered_from_rope_freqs(tmp_path):
+    """llama.cpp stores Llama 3.1 RoPE scaling only as the rope_freqs tensor."""
+    from sglite.layers.rotary_embedding import _llama3_inv_freq
+    from sglite.model_loader.gguf import llama3_rope_factors
+
+    factors = llama3_rope_factors(50000.0, HEAD_DIM, 8.0, 1.0, 4.0, 64).astype(np.float32)
+    assert 1.0 < factors.min() or factors.min() == 1.0 and factors.max() == 8.0  # all three bands present
+    path = tmp_path / "l3.gguf"
+    write_gguf(path, tensors_raw=[("rope_freqs.weight", factors, Q.F32)])
+    c = load_model(str(path)).config
+    assert c.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    base = 1.0 / (50000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM))
+    ours = _llama3_inv_freq(base, c.rope_scaling)
+    assert torch.allclose(ours, base / torch.from_numpy(factors).double(), rtol=1e-6)
+
+
+def test_rope_freqs_of_unknown_shape_is_refused(tmp_path):
+    path = tmp_path / "odd.gguf"
+    odd = np.linspace(1.0, 3.0, HEAD_DIM // 2, dtype=np.float32)
+    write_gguf(path, tensors_raw=[("rope_freqs.weight", odd, Q.F32)])
+    with pytest.raises(ModelLoadError, match="rope_freqs.weight does not match llama3"):
+        load_model(str(path))
+
+
+def test_damaged_cache_is_converted_again(tmp_path, cache_dir, capsys):
+    path = tmp_path / "m.gguf"
+    write_gguf(path)
+    first = load_model(str(path))
+    (entry,) = (cache_dir / "converted").iterdir()
+    (entry / "model.safetensors").write_bytes(b"broken")
+    second = load_model(str(path))
+    assert "converting again" in capsys.readouterr().err
+    assert all(torch.equal(first.weights[k], second.weights[k]) for k in first.weights)
+
+
+def test_missing_metadata_is_named(tmp_path):
+    path = tmp_path / "nohidden.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="llama.embedding_length is missing"):
+        load_model(str(path))
