@@ -557,7 +557,8 @@ class Scheduler:
     def running_reqs(self) -> list[Req]:
         """Requests past admission and not finished (the running batch, plus a batch
         just prefilled that merges into it next round)."""
-        return [r for r in self.live_reqs() if r not in self.waiting_queue and r is not self.chunked_req]
+        waiting = set(map(id, self.waiting_queue))
+        return [r for r in self.live_reqs() if id(r) not in waiting and r is not self.chunked_req]
 
     def event_loop_normal(self, stop: Any = None, on_outputs: Any = None) -> None:
         """Run until ``stop()`` is true; block on the request queue while idle."""
