@@ -12,8 +12,6 @@ import pytest
 import torch
 
 from sglite.engine import Engine
-from sglite.model_executor.model_runner import ModelRunner
-from sglite.server_args import ServerArgs
 from tests.helpers import HandScheduler
 
 pytestmark = pytest.mark.real_model

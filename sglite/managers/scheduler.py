@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 
 from sglite import events as ev
 from sglite.managers.io_struct import AbortReq, BatchStrOut, TokenizedGenerateReqInput

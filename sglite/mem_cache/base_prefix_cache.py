@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 if TYPE_CHECKING:
+    from sglite.events import EventBus
+    from sglite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
     from sglite.mem_cache.radix_cache import TreeNode
 
 
@@ -26,6 +28,31 @@ class MatchResult(NamedTuple):
 
 
 class BasePrefixCache(ABC):
+    def __init__(
+        self,
+        req_to_token_pool: "ReqToTokenPool",
+        token_to_kv_pool_allocator: "TokenToKVPoolAllocator",
+        page_size: int = 1,
+        event_bus: "EventBus | None" = None,
+    ):
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.page_size = page_size
+        self.event_bus = event_bus
+        self.device = token_to_kv_pool_allocator.device
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.device)
+
+    @staticmethod
+    def _kv_len(req: Any) -> int:
+        """Positions of ``req`` that have KV. The last sampled token has none yet; a
+        request with no output (aborted between prefill chunks) holds exactly its
+        ``prefix_indices``."""
+        if req.output_ids:
+            return len(req.origin_input_ids) + len(req.output_ids) - 1
+        return len(req.prefix_indices)
+
     @abstractmethod
     def reset(self) -> None: ...
 

@@ -89,11 +89,7 @@ class RadixCache(BasePrefixCache):
         page_size: int = 1,
         event_bus: EventBus | None = None,
     ):
-        self.req_to_token_pool = req_to_token_pool
-        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
-        self.page_size = page_size
-        self.event_bus = event_bus
-        self.device = token_to_kv_pool_allocator.device
+        super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, event_bus)
         self.key_match_fn: Callable[[list[int], list[int]], int]
         self.get_child_key_fn: Callable[[list[int]], Any]
         if page_size == 1:
@@ -117,9 +113,6 @@ class RadixCache(BasePrefixCache):
 
     def _new_node(self) -> TreeNode:
         return TreeNode(id=next(self._next_id))
-
-    def _empty(self) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.int64, device=self.device)
 
     def _page_aligned(self, n: int) -> int:
         return n // self.page_size * self.page_size
@@ -308,14 +301,6 @@ class RadixCache(BasePrefixCache):
         return "\n".join(lines)
 
     # --- requests -------------------------------------------------------------------
-
-    def _kv_len(self, req: Any) -> int:
-        """Positions of ``req`` that have KV. The last sampled token has none yet; a
-        request with no output (aborted between prefill chunks) holds exactly its
-        ``prefix_indices``."""
-        if req.output_ids:
-            return len(req.origin_input_ids) + len(req.output_ids) - 1
-        return len(req.prefix_indices)
 
     def _owned_start(self, req: Any) -> int:
         # prefix_indices is tree-owned only up to its last whole page; a chunked

@@ -4,8 +4,6 @@ one forward and samples (SGLang: model_executor/model_runner.py)."""
 from __future__ import annotations
 
 import logging
-import os
-import sys
 
 import torch
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
 
 from sglite import events as ev
 from sglite.engine import Engine

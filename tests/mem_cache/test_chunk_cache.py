@@ -1,27 +1,15 @@
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 import torch
 
+from tests.mem_cache.fakes import FakeReq
 from sglite.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
 from sglite.mem_cache.chunk_cache import ChunkCache
 from sglite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 
 
-@dataclass
-class FakeReq:
-    """Stand-in for managers.schedule_batch.Req with only the fields the caches use."""
-
-    rid: str
-    origin_input_ids: list[int]
-    output_ids: list[int] = field(default_factory=list)
-    fill_ids: list[int] = field(default_factory=list)
-    prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    last_node: Any = None
-    req_pool_idx: int | None = None
 
 
 def make(ps: int = 1):

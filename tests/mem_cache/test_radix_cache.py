@@ -1,7 +1,6 @@
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -10,22 +9,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from sglite.events import CacheEvicted, CacheInserted, EventBus, EventLog
+from tests.mem_cache.fakes import FakeReq
 from sglite.mem_cache.chunk_cache import ChunkCache
 from sglite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from sglite.mem_cache.radix_cache import RadixCache, TreeNode
 
 
-@dataclass
-class FakeReq:
-    """Stand-in for managers.schedule_batch.Req with only the fields the caches use."""
-
-    rid: str
-    origin_input_ids: list[int]
-    output_ids: list[int] = field(default_factory=list)
-    fill_ids: list[int] = field(default_factory=list)
-    prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    last_node: Any = None
-    req_pool_idx: int | None = None
 
 
 def make_cache(page_size: int = 1, pool_size: int = 64, bus: EventBus | None = None):

@@ -1,0 +1,19 @@
+"""A stand-in for managers.schedule_batch.Req with only the fields the caches use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class FakeReq:
+    rid: str
+    origin_input_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    fill_ids: list[int] = field(default_factory=list)
+    prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    last_node: Any = None
+    req_pool_idx: int | None = None
