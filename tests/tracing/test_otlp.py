@@ -99,3 +99,35 @@ def test_unreachable_collector_warns_once_and_drops(caplog):
     warnings = [r for r in caplog.records if "cannot export spans" in r.getMessage()]
     assert len(warnings) == 1
     assert exporter.dropped > 0
+
+
+def test_otlp_grpc_receiver_gets_the_spans():
+    """The default protocol (SGLang's --otlp-traces-endpoint localhost:4317) over gRPC."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+    received: list[ExportTraceServiceRequest] = []
+
+    class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802
+            received.append(request)
+            return ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Servicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        engine = Engine("tiny-random", max_total_tokens=1024)
+        mem = InMemorySpanExporter()
+        tr = setup_tracing(engine.event_bus, 2, exporters=[mem, otlp_exporter(f"127.0.0.1:{port}", protocol="grpc")])
+        engine.generate(input_ids=[3, 4, 5, 6], sampling_params={"max_new_tokens": 3, "temperature": 0}, rid="g")
+        tr.shutdown()
+    finally:
+        server.stop(0)
+    names = sorted(span.name for req in received for rs in req.resource_spans for ss in rs.scope_spans
+                   for span in ss.spans)
+    assert names == sorted(s.name for s in mem.get_finished_spans())
+    assert "req g" in names and "forward" in names
