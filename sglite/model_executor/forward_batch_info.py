@@ -22,6 +22,11 @@ class ForwardMode(IntEnum):
     MIXED = auto()  # prefill rows plus the running requests as 1-token extends
     IDLE = auto()  # nothing to run
 
+    def __str__(self) -> str:  # IntEnum would print a bare number
+        return f"ForwardMode.{self.name}"
+
+    __format__ = object.__format__
+
     def is_extend(self) -> bool:
         return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
 
