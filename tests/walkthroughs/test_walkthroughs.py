@@ -1,0 +1,51 @@
+"""Every walkthrough runs in both languages, its checks hold, and its diagrams are
+produced (rendered to SVG where graphviz's dot is installed, as .ci/run ensures)."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from walkthroughs import Narrator, WalkthroughFailed, registry
+
+NAMES = list(registry())
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+@pytest.mark.parametrize("name", NAMES)
+def test_walkthrough_runs_and_checks(name, lang, tmp_path):
+    out = io.StringIO()
+    n = Narrator(lang=lang, out_dir=tmp_path, stream=out)
+    registry()[name].run(n)
+    assert len(n.checks) >= 3
+    assert n.diagrams and all(p.exists() for p in n.diagrams)
+    if shutil.which("dot"):
+        assert any(p.suffix == ".svg" and p.read_text().lstrip().startswith("<?xml") for p in n.diagrams)
+    text = out.getvalue()
+    assert "✓" in text
+    if lang == "zh":
+        assert any("\u4e00" <= ch <= "\u9fff" for ch in text)
+
+
+def test_a_wrong_number_fails_loudly():
+    n = Narrator(stream=io.StringIO())
+    with pytest.raises(WalkthroughFailed, match="expected 9, the engine gave 8"):
+        n.check(8, 9, "rows", "行数")
+
+
+def test_cli_list_and_run(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "sglite.cli", "walkthrough", "list"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0
+    assert [line.split()[0] for line in proc.stdout.splitlines()] == NAMES
+    proc = subprocess.run([sys.executable, "-m", "sglite.cli", "walkthrough", "two-requests", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "13 checks passed" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "sglite.cli", "walkthrough", "nope"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "known:" in proc.stderr
