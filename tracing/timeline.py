@@ -59,6 +59,7 @@ class TimelineBuilder:
         self.level = level
         self.model = model
         self.reqs: dict[str, _ReqState] = {}
+        self._finished_roots: dict[str, Node] = {}  # finished this iteration: still linkable
         self._iteration: list[ev.Event] = []
         self._handlers: dict[type, Callable[[Any], None]] = {
             ev.ReqArrived: self._arrived, ev.ReqAdmitted: self._admitted, ev.ReqChunked: self._chunked,
@@ -158,6 +159,7 @@ class TimelineBuilder:
         if st is None:
             return None
         self._end_stage(st, ts)
+        self._finished_roots[rid] = st.root
         st.root.attributes["gen_ai.response.finish_reasons"] = [reason]
         st.root.attributes.update(attrs)
         self._close(st.root, ts)
@@ -183,13 +185,15 @@ class TimelineBuilder:
 
     def _iteration_finished(self, e: ev.IterationFinished) -> None:
         buffered, self._iteration = self._iteration, []
+        finished, self._finished_roots = self._finished_roots, {}
         if self.level < TRACE_LEVEL_ITERATIONS or not e.forward_mode:
             return  # idle rounds would only add noise
         planned = next((x for x in buffered if isinstance(x, ev.BatchPlanned)), None)
         fwd_start = next((x for x in buffered if isinstance(x, ev.ForwardStarted)), None)
         fwd_end = next((x for x in buffered if isinstance(x, ev.ForwardFinished)), None)
         rows = planned.num_rows if planned else 0
-        links = [self.reqs[r].root for r in e.rids if r in self.reqs]
+        roots = {**finished, **{rid: st.root for rid, st in self.reqs.items()}}
+        links = [roots[r] for r in e.rids if r in roots]
         it = self._open(Node("ScheduleBatch", e.started, "iteration", "scheduler", links=links, attributes={
             "sglite.iteration": e.iteration, "sglite.forward_mode": e.forward_mode,
             "sglite.batch_size": len(e.rids), "sglite.num_rows": rows, "sglite.num_waiting": e.num_waiting,

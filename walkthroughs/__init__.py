@@ -6,9 +6,11 @@ from walkthroughs.core import Narrator, Walkthrough, WalkthroughFailed
 
 
 def registry() -> dict[str, Walkthrough]:
-    from walkthroughs import chunked_prefill, event_loop, two_requests
+    from walkthroughs import (chunked_prefill, event_loop, growing_queue, mixed, radix_cache, retract, tracing_walk,
+                              two_requests)
 
-    items = [event_loop.WALKTHROUGH, two_requests.WALKTHROUGH, chunked_prefill.WALKTHROUGH]
+    items = [m.WALKTHROUGH for m in (event_loop, two_requests, chunked_prefill, retract, mixed, radix_cache,
+                                     growing_queue, tracing_walk)]
     return {w.name: w for w in items}
 
 
