@@ -24,7 +24,8 @@ UI_MIN_INTERVAL = 0.05  # at most 20 screen updates per second
 class EngineWorker:
     """Steps the engine on its own thread; pausing and single steps for the UI."""
 
-    def __init__(self, engine: Any, workload: Workload, on_view: Any, paused: bool = False):
+    def __init__(self, engine: Any, workload: Workload, on_view: Any, paused: bool = False,
+                 clock: Any = time.perf_counter):
         self.engine = engine
         self.pending = sorted(workload.arrivals, key=lambda a: a.at)
         self.on_view = on_view
@@ -38,14 +39,18 @@ class EngineWorker:
         self.lock = threading.Lock()
         self.finished = 0
         self.tokens = 0
-        self._tic = time.perf_counter()
-        self._last_view = 0.0
+        self.queued_at: dict[str, int] = {}
+        self.clock = clock  # tests pass a deterministic one
+        self._tic = clock()
         engine.event_bus.subscribe(self._on_event)
         self.thread = threading.Thread(target=self._loop, daemon=True, name="sglite-engine")
 
     def _on_event(self, e: ev.Event) -> None:
         line = None
+        if isinstance(e, ev.ReqArrived):
+            self.queued_at[e.rid] = e.iteration
         if isinstance(e, ev.ReqRetracted):
+            self.queued_at[e.rid] = e.iteration
             line = (f"[red]retract[/] {e.rid} at {e.output_tokens} tok, "
                     f"new_token_ratio {e.old_new_token_ratio:.3f}->{e.new_token_ratio:.3f}")
         elif isinstance(e, ev.CacheEvicted):
@@ -78,8 +83,8 @@ class EngineWorker:
                                                 "ignore_eos": a.ignore_eos})
 
     def view(self) -> View:
-        elapsed = max(time.perf_counter() - self._tic, 1e-9)
-        return take(self.engine, self.log, self.tokens / elapsed, self.finished)
+        elapsed = max(self.clock() - self._tic, 1e-9)
+        return take(self.engine, self.log, self.tokens / elapsed, self.finished, self.queued_at)
 
     def step(self) -> View:
         with self.lock:
@@ -96,11 +101,7 @@ class EngineWorker:
             if not self.engine.scheduler.has_work() and not self.pending and not single:
                 time.sleep(0.05)
                 continue
-            view = self.step()
-            now = time.perf_counter()
-            if single or now - self._last_view >= UI_MIN_INTERVAL:
-                self._last_view = now
-                self.on_view(view)
+            self.on_view(self.step())
 
     def start(self) -> None:
         self.thread.start()
@@ -121,15 +122,18 @@ class SchedulerApp(App):
         Binding("q", "quit", "quit"),
     ]
 
-    def __init__(self, engine: Any, workload: Workload, paused: bool = False, start_worker: bool = True):
+    def __init__(self, engine: Any, workload: Workload, paused: bool = False, start_worker: bool = True,
+                 clock: Any = time.perf_counter):
         super().__init__()
         self.engine = engine
         self.workload = workload
-        self.worker = EngineWorker(engine, workload, self._post_view, paused)
+        self.worker = EngineWorker(engine, workload, self._post_view, paused, clock)
         self.start_worker = start_worker
         self.last_view: View | None = None
+        self.latest: View | None = None  # set by the engine thread, drawn by a UI timer
         self.updates = 0
         self._log_shown = 0
+        self._tree_key: list | None = None
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
@@ -151,20 +155,25 @@ class SchedulerApp(App):
         self.query_one("#tree", Tree).border_title = "radix tree"
         self.query_one("#log", RichLog).border_title = "events"
         # short headers so the columns fit at 80x24 (the border titles name the panels)
-        for tid, cols in (("waiting", ("rid", "len", "cached", "wait s")),
+        for tid, cols in (("waiting", ("rid", "len", "cached", "waited")),
                           ("running", ("rid", "seq", "out/max")),
                           ("plan", ("rid", "pre", "ext", "seq", "loc"))):
             self.query_one(f"#{tid}", DataTable).add_columns(*cols)
         self.sub_title = f"{self.engine.server_args.model_path} · workload {self.workload.name}"
         self.render_view(self.worker.view())
+        # the engine never waits for the screen: it leaves its latest view here and the
+        # UI draws whatever is newest, at most 20 times a second
+        self.set_interval(UI_MIN_INTERVAL, self._draw_latest)
         if self.start_worker:
             self.worker.start()
 
     def _post_view(self, view: View) -> None:
-        try:
-            self.call_from_thread(self.render_view, view)
-        except RuntimeError:  # the app is closing
-            pass
+        self.latest = view
+
+    def _draw_latest(self) -> None:
+        view, self.latest = self.latest, None
+        if view is not None:
+            self.render_view(view)
 
     def render_view(self, v: View) -> None:
         self.last_view = v
@@ -193,6 +202,10 @@ class SchedulerApp(App):
         self._log_shown = v.log_total
 
     def _render_tree(self, nodes: list[dict]) -> None:
+        key = [(n["id"], n["parent_id"], n["key_len"], n["lock_ref"]) for n in nodes]
+        if key == self._tree_key:
+            return  # rebuilding the widget is the costly part of a frame
+        self._tree_key = key
         tree = self.query_one("#tree", Tree)
         tree.clear()
         handles = {}
@@ -251,3 +264,5 @@ class SchedulerApp(App):
 
     def on_unmount(self) -> None:
         self.worker.stop.set()
+        if self.worker.thread.is_alive():
+            self.worker.thread.join(timeout=10)

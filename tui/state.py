@@ -3,7 +3,6 @@ the screen never reads engine state while the engine is changing it."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +11,7 @@ from typing import Any
 class View:
     iteration: int = 0
     forward_mode: str = "IDLE"
-    waiting: list[tuple] = field(default_factory=list)  # rid, prompt tokens, cached prefix, waited s
+    waiting: list[tuple] = field(default_factory=list)  # rid, prompt tokens, cached prefix, rounds waited
     running: list[tuple] = field(default_factory=list)  # rid, seq_len, "out/max"
     plan: list[tuple] = field(default_factory=list)  # rid, prefix_len, extend_len, seq_len, loc range
     plan_rows: int = 0
@@ -38,9 +37,11 @@ def _loc_range(locs: list[int]) -> str:
     return f"{min(locs)}..{max(locs)}" if len(locs) > 1 else str(locs[0])
 
 
-def take(engine: Any, log_lines: list[str], throughput: float = 0.0, finished: int = 0) -> View:
+def take(engine: Any, log_lines: list[str], throughput: float = 0.0, finished: int = 0,
+         queued_at: dict[str, int] | None = None) -> View:
+    """``queued_at``: the iteration each request (re-)entered the waiting queue."""
     s = engine.scheduler
-    now = time.perf_counter()
+    queued_at = queued_at or {}
     batch = s.cur_batch
     plan, rows = [], 0
     if batch is not None:
@@ -55,7 +56,7 @@ def take(engine: Any, log_lines: list[str], throughput: float = 0.0, finished: i
     return View(
         iteration=s.iteration,
         forward_mode=batch.forward_mode.name if batch is not None else "IDLE",
-        waiting=[(r.rid, len(r.origin_input_ids), len(r.prefix_indices), f"{now - r.wait_queue_entry_time:.1f}")
+        waiting=[(r.rid, len(r.origin_input_ids), len(r.prefix_indices), s.iteration - queued_at.get(r.rid, s.iteration))
                  for r in s.waiting_queue],
         running=running,
         plan=plan,

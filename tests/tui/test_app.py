@@ -95,3 +95,26 @@ def test_workload_file_and_errors(tmp_path):
     bad.write_text("{not json\n")
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         load(str(bad))
+
+
+def snapshot_app(steps: int):
+    wl = builtin("pool-pressure")
+    engine = Engine("tiny-random", log_level="error", **wl.server_args)
+    # one "second" per iteration: the throughput shown is deterministic
+    app = SchedulerApp(engine, wl, paused=True, start_worker=False,
+                       clock=lambda: float(engine.scheduler.iteration))
+    for _ in range(steps):
+        view = app.worker.step()
+
+    async def show(pilot):
+        app.render_view(view)
+        await pilot.pause()
+
+    return app, show
+
+
+@pytest.mark.parametrize("steps,size", [(3, (200, 50)), (60, (200, 50)), (60, (80, 24))])
+def test_main_screen_snapshots(snap_compare, steps, size):
+    """Fixed states: after the first prefills, and past the first retraction."""
+    app, show = snapshot_app(steps)
+    assert snap_compare(app, terminal_size=size, run_before=show)
