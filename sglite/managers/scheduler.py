@@ -463,7 +463,8 @@ class Scheduler:
         logger.info(
             "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
             "#queue-req: %d",
-            batch.batch_size(), self.max_total_num_tokens - self.token_to_kv_pool_allocator.available_size(),
+            batch.batch_size(),
+            self.max_total_num_tokens - self.token_to_kv_pool_allocator.available_size() - self.tree_cache.evictable_size(),
             self.token_usage(), throughput, len(self.waiting_queue),
         )
 
