@@ -11,7 +11,7 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterable, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 Subscriber = Callable[["Event"], None]
 EVENT_TYPES: dict[str, type["Event"]] = {}
@@ -252,7 +252,3 @@ class IterationFinished(Event):
     token_usage: float = 0.0
     cache_hit_rate: float = 0.0
     new_token_ratio: float = 0.0
-
-
-def kinds(events: Iterable[Event]) -> list[str]:
-    return [e.kind for e in events]

@@ -84,7 +84,7 @@ class Scheduler:
         self.num_generated_tokens = 0
         self.last_decode_stats_tic = time.perf_counter()
         self.last_admission_stop = ""
-        self._known_rids: set[str] = set()
+        self.num_reqs_received = 0  # also seeds requests that bring no seed of their own
         self._outputs: list[BatchStrOut] = []
 
     # --- helpers ----------------------------------------------------------------------
@@ -144,8 +144,8 @@ class Scheduler:
     def _validate(self, recv_req: TokenizedGenerateReqInput) -> str | None:
         if recv_req.error:
             return recv_req.error
-        if recv_req.rid in self._known_rids:
-            return f"request id {recv_req.rid!r} is already in use"
+        if any(r.rid == recv_req.rid for r in self.live_reqs()):
+            return f"request id {recv_req.rid!r} is already in use by an unfinished request"
         ids = recv_req.input_ids
         if not ids:
             return "the prompt is empty"
@@ -176,12 +176,12 @@ class Scheduler:
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
         req = Req(recv_req.rid, recv_req.input_text, list(recv_req.input_ids), params, eos,
-                  seed=self.server_args.random_seed + len(self._known_rids), stream=recv_req.stream)
-        self._known_rids.add(req.rid)
+                  seed=self.server_args.random_seed + self.num_reqs_received, stream=recv_req.stream)
+        self.num_reqs_received += 1
         self.waiting_queue.append(req)
         self.bus.emit(ev.ReqArrived, rid=req.rid, prompt_tokens=len(req.origin_input_ids),
                       max_new_tokens=params.max_new_tokens, temperature=recv_req_temperature,
-                      top_p=params.top_p, top_k=recv_req.sampling_params.top_k if params.top_k < (1 << 30) else -1)
+                      top_p=params.top_p, top_k=params.top_k if params.top_k < (1 << 30) else -1)
 
     def _reject(self, recv_req: TokenizedGenerateReqInput, error: str) -> None:
         reason = FINISH_ABORT(error, is_error=True)
@@ -214,8 +214,10 @@ class Scheduler:
         self._stream_req(req)
 
     def _abort_on_timeouts(self) -> None:
-        now = time.perf_counter()
         wt, rt = self.server_args.waiting_timeout, self.server_args.running_timeout
+        if wt is None and rt is None:
+            return  # the usual case: no walk over every request each round
+        now = time.perf_counter()
         for req in self.live_reqs():
             if wt is not None and req.forward_entry_time is None and now - req.wait_queue_entry_time > wt:
                 self._abort_now(req, f"waited longer than waiting_timeout={wt}s")
@@ -487,18 +489,18 @@ class Scheduler:
             problems.append(f"protected_size {self.tree_cache.protected_size()} != 0")
         if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
             problems.append(f"{self.req_to_token_pool.size - self.req_to_token_pool.available_size()} req slots held")
-        problems += self._slot_ownership_problems(require_complete=True)
+        problems += self._slot_ownership_problems()
         if problems:
             raise RuntimeError("KV memory leak detected when idle: " + "; ".join(problems))
 
     def self_check_during_busy(self) -> None:
         """Every page is free, in the tree, or held by a live request; none is both free
         and used (SGLang's strict busy check; the tests call it every iteration)."""
-        problems = self._slot_ownership_problems(require_complete=True)
+        problems = self._slot_ownership_problems()
         if problems:
             raise RuntimeError("KV memory accounting broken: " + "; ".join(problems))
 
-    def _slot_ownership_problems(self, require_complete: bool) -> list[str]:
+    def _slot_ownership_problems(self) -> list[str]:
         page = self.page_size
         alloc = self.token_to_kv_pool_allocator
         free_pages = list(alloc.free_pages)
@@ -520,7 +522,7 @@ class Scheduler:
             problems.append(f"{len(free & held)} pages both free and held by a request")
         all_pages = set(range(1, self.max_total_num_tokens // page + 1))
         missing = all_pages - free - tree - held
-        if require_complete and missing:
+        if missing:
             problems.append(f"{len(missing)} pages leaked (neither free, cached nor held)")
         return problems
 

@@ -212,3 +212,19 @@ def test_sglang_log_lines(caplog):
     assert "Prefill batch. #new-seq: " in text and "#cached-token: " in text and "#queue-req: " in text
     assert "Decode batch. #running-req: " in text and "gen throughput (token/s): " in text
     assert "KV cache pool is full. Retract requests. #retracted_reqs: " in text and "#new_token_ratio: " in text
+
+
+def test_rid_reuse_only_refused_while_the_first_is_alive():
+    engine = make_engine()
+    params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    assert "error" not in engine.generate(input_ids=[3, 4, 5], sampling_params=params, rid="x")
+    log = ev.EventLog()
+    engine.event_bus.subscribe(log)
+    engine.submit(input_ids=[3, 4, 5], sampling_params=params, rid="y")
+    engine.step()
+    engine.submit(input_ids=[6, 7], sampling_params=params, rid="y")
+    run_to_idle(engine)
+    (rejected,) = log.of(ev.ReqAborted)
+    assert rejected.rid == "y" and "already in use" in rejected.reason
+    assert len(log.of(ev.ReqFinished)) == 1  # the first "y" ran to the end
+    assert "error" not in engine.generate(input_ids=[3, 4, 5], sampling_params=params, rid="x")
