@@ -74,9 +74,11 @@ def test_keys_step_pause_and_add_prompt():
             await pilot.press("p")
             assert sched.server_args.schedule_policy == "lpm"
             await pilot.press("space")  # run
-            for _ in range(300):
+            for _ in range(1200):
                 await pilot.pause(0.05)
-                if not sched.has_work() and not app.worker.pending:
+                with app.worker.lock:  # not mid-iteration: admitted requests are in no queue then
+                    done = not sched.has_work() and not app.worker.pending
+                if done:
                     break
             assert app.worker.finished == len(builtin("pool-pressure").arrivals) + 1
             await pilot.press("q")
