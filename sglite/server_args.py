@@ -41,8 +41,13 @@ class ServerArgs:
     waiting_timeout: float | None = _opt(None, "abort a request that waits longer than this many seconds")
     running_timeout: float | None = _opt(None, "abort a request that runs longer than this many seconds")
     # kernels
-    attention_backend: str = _opt("auto", "torch_native or triton (auto: torch_native on CPU)",
-                                  choices=("auto", "torch_native", "triton"))
+    attention_backend: str = _opt(
+        "auto", "torch_native or triton (auto: triton on CUDA, torch_native on CPU). triton also runs RMSNorm, "
+        "SiLU-and-mul and RoPE as fused Triton kernels; on CPU it needs TRITON_INTERPRET=1 (tests)",
+        choices=("auto", "torch_native", "triton"))
+    disable_cuda_graph: bool = _opt(False, "do not capture decode in CUDA graphs (CUDA with the triton backend only)")
+    cuda_graph_max_bs: int | None = _opt(None, "largest decode batch captured in a CUDA graph; larger batches run "
+                                         "eagerly (default: min(128, max_running_requests))")
     # observability
     decode_log_interval: int = _opt(40, "log a 'Decode batch.' line every N decode rounds")
     log_level: str = _opt("warning", "logging level of the sglite logger", choices=("debug", "info", "warning", "error"))
@@ -57,6 +62,8 @@ class ServerArgs:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size % self.page_size:
             raise ValueError("chunked_prefill_size must be a multiple of page_size")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:
             raise ValueError("max_total_tokens must be positive")
 

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+from sglite.layers.custom_op import CustomOp
 
 
-class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+class SiluAndMul(CustomOp):
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
+
+    def forward_triton(self, x: torch.Tensor) -> torch.Tensor:
+        from sglite.layers.fused_kernels import silu_and_mul
+
+        return silu_and_mul(x)

@@ -5,14 +5,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sglite.layers.custom_op import CustomOp
 
-class RMSNorm(nn.Module):
+
+class RMSNorm(CustomOp):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def forward(
+    def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # With a residual, return (norm(x + residual), x + residual): the decoder layer
@@ -25,3 +27,10 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         out = self.weight * h.to(orig_dtype)
         return out if residual is None else (out, residual)
+
+    def forward_triton(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        from sglite.layers.fused_kernels import rmsnorm
+
+        return rmsnorm(x, self.weight, self.variance_epsilon, residual)

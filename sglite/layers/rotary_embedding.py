@@ -7,7 +7,8 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
+
+from sglite.layers.custom_op import CustomOp
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -25,7 +26,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(mid, blended, out)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
     def __init__(
         self,
         head_dim: int,
@@ -53,13 +54,20 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float64), inv_freq)
         return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
 
-    def forward(
+    def forward_native(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
         cos, sin = cos[:, None, :], sin[:, None, :]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def forward_triton(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from sglite.layers.fused_kernels import rotary_embedding_neox
+
+        return rotary_embedding_neox(positions, q, k, self.cos_sin_cache)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 from sglite.configs.model_config import ModelConfig
 from sglite.layers.attention.base_attn_backend import AttentionBackend
 from sglite.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglite.layers.custom_op import enable_triton_ops
 from sglite.layers.rotary_embedding import RotaryEmbedding
 from sglite.layers.sampler import Sampler
 from sglite.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
@@ -36,6 +37,17 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def resolve_attention_backend(name: str, device: str) -> str:
+    """auto: triton on CUDA, torch_native on CPU. triton on CPU needs TRITON_INTERPRET=1."""
+    if name == "auto":
+        return "triton" if device.startswith("cuda") else "torch_native"
+    if name == "triton":
+        from sglite.layers.triton_utils import check_triton_usable
+
+        check_triton_usable(device)  # before the weights load: fail fast
+    return name
+
+
 def _available_memory_bytes(device: str) -> int:
     if device.startswith("cuda"):
         free, _ = torch.cuda.mem_get_info()
@@ -57,6 +69,7 @@ class ModelRunner:
         self.server_args = server_args
         self.device = resolve_device(server_args.device)
         self.dtype = resolve_dtype(server_args.dtype, self.device)
+        self.attention_backend = resolve_attention_backend(server_args.attention_backend, self.device)
         self.tokenizer = None
         if model_config is None or weights is None:
             from sglite.model_loader import load_model
@@ -66,9 +79,12 @@ class ModelRunner:
         self.model_config = model_config
         self.context_len = min(server_args.context_length or model_config.context_len, model_config.context_len)
         self.model = self._build_model(model_config, weights)
+        # the fused RMSNorm / SiLU-and-mul / RoPE kernels go with the triton backend
+        enable_triton_ops(self.model, self.attention_backend == "triton")
         self.sampler = Sampler()
         self.init_memory_pool()
         self.attn_backend = self._build_attn_backend()
+        self.init_cuda_graphs()
 
     def _build_model(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> LlamaForCausalLM:
         with torch.device("meta"):
@@ -83,12 +99,23 @@ class ModelRunner:
         return model
 
     def _build_attn_backend(self) -> AttentionBackend:
-        name = self.server_args.attention_backend
-        if name == "auto":
-            name = "torch_native"
-        if name == "triton":
-            raise ValueError("attention backend 'triton' is not available yet in this build; use torch_native")
+        if self.attention_backend == "triton":
+            from sglite.layers.attention.triton_backend import TritonAttnBackend
+
+            return TritonAttnBackend(self.device, self.model_config.num_key_value_heads)
         return TorchNativeAttnBackend()
+
+    def init_cuda_graphs(self) -> None:
+        """Capture decode forwards in CUDA graphs: CUDA only, backends that allow it."""
+        self.cuda_graph_runner = None
+        if not self.device.startswith("cuda") or self.server_args.disable_cuda_graph:
+            return
+        if not self.attn_backend.supports_cuda_graph:
+            logger.info("CUDA graphs off: the %s attention backend cannot be captured", self.attn_backend.name)
+            return
+        from sglite.model_executor.cuda_graph_runner import CudaGraphRunner
+
+        self.cuda_graph_runner = CudaGraphRunner(self)
 
     def profile_max_num_token(self) -> int:
         c = self.model_config
@@ -121,6 +148,8 @@ class ModelRunner:
 
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Logits: one row per request (its last row), or every row with return_all_logits."""
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
+            return self.cuda_graph_runner.replay(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 

@@ -13,6 +13,9 @@ if TYPE_CHECKING:
 
 class AttentionBackend:
     name = "base"
+    # True when a decode forward reads only tensors (no Python-side per-request state),
+    # so model_executor/cuda_graph_runner.py can capture it
+    supports_cuda_graph = False
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         """Per-forward precomputation shared by all layers."""

@@ -1,0 +1,103 @@
+"""Attention with Triton kernels over the paged KV pool (SGLang:
+layers/attention/triton_backend.py, ``TritonAttnBackend``).
+
+The same contract as TorchNativeAttnBackend: store the new rows' K/V at
+``out_cache_loc``, then attend through ``req_to_token``. The difference is that one
+kernel launch covers the whole batch instead of a Python loop over requests:
+extend (and MIXED) batches go to ``extend_attention_fwd``, decode batches to the
+split-KV ``decode_attention_fwd``. Decode reads only tensors (no ``.tolist()``), so a
+decode forward can be captured in a CUDA graph (model_executor/cuda_graph_runner.py).
+
+On CPU it runs under ``TRITON_INTERPRET=1`` only, which is how the tests run it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from sglite.layers.attention.base_attn_backend import AttentionBackend
+from sglite.layers.triton_utils import check_triton_usable
+
+if TYPE_CHECKING:
+    from sglite.layers.radix_attention import RadixAttention
+    from sglite.model_executor.forward_batch_info import ForwardBatch
+
+
+@dataclass
+class ForwardMetadata:
+    max_len_extend: int = 0  # grid size of the extend kernel (its longest request)
+    num_kv_splits: int = 1  # decode: splits per request, fixed per batch size
+
+
+class TritonAttnBackend(AttentionBackend):
+    name = "triton"
+    supports_cuda_graph = True
+
+    def __init__(self, device: str | torch.device, num_kv_heads: int):
+        check_triton_usable(device)
+        from sglite.layers.attention.triton_ops.decode_attention import num_kv_splits_for
+
+        self.device = device
+        self.num_kv_heads = num_kv_heads
+        self._num_kv_splits_for = num_kv_splits_for
+        self.forward_metadata = ForwardMetadata()
+
+    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+        if forward_batch.forward_mode.is_decode():
+            self._init_decode_metadata(forward_batch.batch_size)
+        else:
+            lens = forward_batch.extend_seq_lens_cpu or [0]
+            self.forward_metadata = ForwardMetadata(max_len_extend=max(lens))
+
+    def _init_decode_metadata(self, batch_size: int) -> None:
+        self.forward_metadata = ForwardMetadata(
+            num_kv_splits=self._num_kv_splits_for(batch_size, self.num_kv_heads, self.device))
+
+    # CUDA graphs (SGLang's names): decode metadata depends on the batch size alone, so
+    # capture sets it and replay has nothing to update
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: "ForwardBatch") -> None:
+        self._init_decode_metadata(forward_batch.batch_size)
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: "ForwardBatch") -> None:
+        pass
+
+    def forward_extend(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch"):  # noqa: ANN001
+        from sglite.layers.attention.triton_ops.extend_attention import extend_attention_fwd
+        from sglite.layers.attention.triton_ops.kv_store import store_kv_cache
+
+        pool = forward_batch.token_to_kv_pool
+        k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        store_kv_cache(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
+        o = torch.empty_like(q, memory_format=torch.contiguous_format)
+        extend_attention_fwd(
+            q, k, v, o, k_buf, v_buf,
+            forward_batch.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.extend_prefix_lens,
+            forward_batch.extend_seq_lens,
+            forward_batch.extend_start_loc,
+            self.forward_metadata.max_len_extend,
+            layer.scaling,
+        )
+        return o
+
+    def forward_decode(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch"):  # noqa: ANN001
+        from sglite.layers.attention.triton_ops.decode_attention import decode_attention_fwd
+        from sglite.layers.attention.triton_ops.kv_store import store_kv_cache
+
+        pool = forward_batch.token_to_kv_pool
+        k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        store_kv_cache(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
+        o = torch.empty_like(q, memory_format=torch.contiguous_format)
+        decode_attention_fwd(
+            q, k_buf, v_buf, o,
+            forward_batch.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens,
+            self.forward_metadata.num_kv_splits,
+            layer.scaling,
+        )
+        return o
