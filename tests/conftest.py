@@ -4,6 +4,16 @@ import os
 
 import pytest
 
+# Triton picks interpreter mode when @triton.jit decorates a kernel, i.e. when a kernel
+# module is imported, so the switch must be on before any test imports sglite's kernels.
+# It changes nothing else: every other test runs the torch path. With CUDA the kernels
+# run for real; TRITON_INTERPRET=0 in the environment keeps them off.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("SGLITE_SKIP_REAL_MODEL") == "1":
