@@ -1,0 +1,429 @@
+"""Side by side: sglite against Hugging Face transformers (static batches) on the same
+model, weights (float32), prompts and greedy settings, with sglite's feature ablations;
+writes a markdown table, a JSON file and PNG plots under benchmarks/results/.
+
+    sglite bench                                  # every workload, the default ablations
+    sglite bench --quick                          # small sizes: a few minutes
+    sglite bench --workload shared-prefix --ablations radix-off,trace-2
+    python benchmarks/bench.py --quick --skip-baseline
+
+Each configuration runs in its own process (so peak memory is its own), warms up,
+then runs the whole workload, all requests submitted at once. docs/benchmarks.md
+defines every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: python benchmarks/bench.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.report import Row, compare_to_baseline, markdown_table, summarize, write_plots  # noqa: E402
+from benchmarks.workloads import WORKLOADS, Workload, build_workload  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+HF_BATCH_SIZES = (16, 64)
+HF_BATCH_SIZES_QUICK = (4, 8)
+GOALS = {"shared-prefix": 3.0, "random-lengths": 2.0}  # sglite's output throughput / transformers'
+PREFILL_GOAL = 1.1  # prefill tokens computed / distinct prompt tokens, shared-prefix
+
+
+@dataclass(frozen=True)
+class Ablation:
+    """One sglite variant: server-argument overrides (and a tracing level). ``workloads``
+    are where it runs by default (``--ablations all`` runs it everywhere)."""
+
+    name: str
+    label: str
+    server_args: dict[str, Any]
+    trace_level: int = 0
+    workloads: tuple[str, ...] = tuple(WORKLOADS)
+
+
+ABLATIONS = [
+    Ablation("radix-off", "sglite, radix cache off", {"disable_radix_cache": True}, workloads=("shared-prefix",)),
+    Ablation("fcfs", "sglite, fcfs policy", {"schedule_policy": "fcfs"}, workloads=("shared-prefix",)),
+    Ablation("chunked-off", "sglite, chunked prefill off", {"chunked_prefill_size": -1}, workloads=("long-prompts",)),
+    Ablation("mixed-chunk", "sglite, mixed chunk on", {"enable_mixed_chunk": True}, workloads=("long-prompts",)),
+    Ablation("overlap-off", "sglite, overlap off", {"disable_overlap_schedule": True}),
+    Ablation("trace-1", "sglite, tracing level 1", {}, 1, workloads=("shared-prefix",)),
+    Ablation("trace-2", "sglite, tracing level 2", {}, 2, workloads=("shared-prefix",)),
+]
+
+
+@dataclass
+class Run:
+    workload: Workload
+    label: str
+    engine: str  # sglite, transformers, llama.cpp
+    server_args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    trace_level: int = 0
+
+
+# --- command line ---------------------------------------------------------------------
+
+
+def epilog() -> str:
+    lines = ["workloads:"]
+    lines += [f"  {w.name:<16}{w.help}" for w in WORKLOADS.values()]
+    lines += ["", "ablations (sglite variants; --ablations default runs each on the workloads listed):"]
+    for a in ABLATIONS:
+        what = ", ".join(f"{k}={v}" for k, v in a.server_args.items()) or f"spans to a JSONL file at level {a.trace_level}"
+        lines.append(f"  {a.name:<16}{what}  [{', '.join(a.workloads)}]")
+    lines += ["", "Results: benchmarks/results/bench-DATE.md (+ .json, -throughput.png, -latency-WORKLOAD.png).",
+              "See docs/benchmarks.md for what each number means."]
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", action="append", choices=[*WORKLOADS, "all"], default=None,
+                   help="workload to run (repeatable; default: all)")
+    p.add_argument("--model-path", default="smollm2-135m", help="the model for every engine (smollm2-135m, "
+                   "tiny-random, a .gguf file or a Hugging Face folder)")
+    p.add_argument("--requests", type=int, default=None, help="requests per workload (default: the workload's)")
+    p.add_argument("--quick", action="store_true", help="small sizes (8 requests, short outputs): a few minutes")
+    p.add_argument("--out", default=None, metavar="DIR", help=f"where results go (default: {RESULTS_DIR})")
+    p.add_argument("--skip-baseline", action="store_true", help="run sglite only (no transformers, no llama.cpp)")
+    p.add_argument("--ablations", default="default", metavar="LIST",
+                   help="'default' (each ablation on its workloads), 'all', 'none', or names: radix-off,trace-2,...")
+    p.add_argument("--hf-batch-sizes", default=None, metavar="LIST",
+                   help=f"static batch sizes transformers tries; the best is reported (default: "
+                        f"{','.join(map(str, HF_BATCH_SIZES))}; --quick: {','.join(map(str, HF_BATCH_SIZES_QUICK))})")
+    p.add_argument("--threads", type=int, default=None, help="torch threads for every engine (default: torch's, "
+                   "usually the number of cores)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workloads' prompts")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python benchmarks/bench.py", description=__doc__.split("\n\n")[0],
+                                epilog=epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return p
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --- planning -------------------------------------------------------------------------
+
+
+def select_ablations(spec: str) -> list[Ablation]:
+    if spec in ("default", "all"):
+        return list(ABLATIONS)
+    if spec == "none":
+        return []
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    known = {a.name: a for a in ABLATIONS}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown ablation(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    return [known[n] for n in names]
+
+
+def ablation_unavailable(a: Ablation) -> str:
+    """Why an ablation cannot run in this build ('' when it can)."""
+    from sglite.server_args import ServerArgs
+
+    fields = {f.name for f in dataclasses.fields(ServerArgs)}
+    missing = [k for k in a.server_args if k not in fields]
+    if missing:
+        return f"needs server argument {', '.join(missing)}, not in this build"
+    if a.trace_level and importlib.util.find_spec("tracing") is None:
+        return "needs the tracing package"
+    return ""
+
+
+def plan(workloads: list[Workload], ablations: list[Ablation], every_workload: bool, baseline: bool,
+         llama_cpp: bool) -> tuple[list[Run], list[str]]:
+    runs: list[Run] = []
+    notes: list[str] = []
+    for a in ablations:
+        why = ablation_unavailable(a)
+        if why:
+            notes.append(f"ablation {a.name} skipped: {why}")
+    for wl in workloads:
+        base = {"max_total_tokens": wl.pool_tokens(), **wl.server_args}
+        runs.append(Run(wl, "sglite", "sglite", base))
+        for a in ablations:
+            if ablation_unavailable(a) or not (every_workload or wl.name in a.workloads):
+                continue
+            args = {**base, **a.server_args}
+            if _effective(args) == _effective(base) and not a.trace_level:
+                continue  # the workload already runs this way: the sglite row is it
+            runs.append(Run(wl, a.label, "sglite", args, a.trace_level))
+        if baseline:
+            runs.append(Run(wl, "transformers", "transformers"))
+        if llama_cpp:
+            runs.append(Run(wl, "llama.cpp", "llama.cpp"))
+    return runs, notes
+
+
+def _effective(server_args: dict[str, Any]) -> Any:
+    from sglite.server_args import ServerArgs
+
+    return ServerArgs.from_kwargs(**server_args)
+
+
+def baseline_unavailable() -> str:
+    missing = [m for m in ("transformers", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        return (f"transformers baseline skipped: {' and '.join(missing)} not installed "
+                "(pip install -e '.[test]' installs them)")
+    return ""
+
+
+# --- running --------------------------------------------------------------------------
+
+
+def run_one(run: Run, model_path: str, threads: int, batch_sizes: list[int], pad_id: int, tmp: Path,
+            index: int) -> dict[str, Any]:
+    """Run one configuration in a fresh process; its progress lines pass through."""
+    spec = {"engine": run.engine, "model_path": model_path, "threads": threads, "label": run.label,
+            "prompts": run.workload.prompts, "output_lens": run.workload.output_lens,
+            "server_args": run.server_args, "trace_level": run.trace_level,
+            "batch_sizes": batch_sizes, "pad_id": pad_id}
+    spec_path, out_path = tmp / f"spec-{index}.json", tmp / f"result-{index}.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.runners", str(spec_path), str(out_path)],
+                          env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    if out_path.is_file():
+        return json.loads(out_path.read_text())
+    return {"ok": False, "error": f"worker exited with code {proc.returncode} and wrote no result"}
+
+
+def machine_line(threads: int) -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    try:
+        ram = f", {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GB RAM"
+    except (ValueError, OSError, AttributeError):
+        ram = ""
+    versions = [f"torch {torch.__version__}"]
+    for mod in ("transformers", "llama_cpp"):
+        if importlib.util.find_spec(mod) is not None:
+            from importlib.metadata import PackageNotFoundError, version
+
+            try:
+                versions.append(f"{mod.replace('_', '-')} {version(mod.replace('_', '-') + ('-python' if mod == 'llama_cpp' else ''))}")
+            except PackageNotFoundError:
+                pass
+    return f"{cpu}, {os.cpu_count()} cores{ram}; python {platform.python_version()}, {', '.join(versions)}; {threads} torch threads"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+# --- the document ---------------------------------------------------------------------
+
+
+def _cli_flags(args: dict[str, Any]) -> str:
+    return " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in args.items())
+
+
+def goal_lines(results: dict[str, tuple[Workload, list[Row]]], quick: bool) -> list[str]:
+    def main_rows(name: str) -> tuple[Row | None, Row | None]:
+        rows = results[name][1] if name in results else []
+        return (next((r for r in rows if r.label == "sglite" and r.ok), None),
+                next((r for r in rows if r.engine == "transformers" and r.ok), None))
+
+    def mark(ok: bool) -> str:
+        return "**met**" if ok else "**NOT met**"
+
+    lines = []
+    for name, goal in GOALS.items():
+        ours, hf = main_rows(name)
+        if ours is None or hf is None:
+            continue
+        x = ours.output_tok_s / hf.output_tok_s
+        line = f"- {name}: sglite ≥ {goal:.0f}× transformers' output throughput: {mark(x >= goal)} ({x:.2f}×)"
+        if name == "shared-prefix":
+            same = ours.greedy_matches == ours.num_requests
+            line += f"; identical greedy outputs: {mark(same)} ({ours.greedy_matches}/{ours.num_requests})"
+        lines.append(line)
+    ours, _ = main_rows("shared-prefix")
+    if ours is not None and ours.prefill_ratio is not None:
+        lines.append(f"- shared-prefix: prefill tokens computed ≤ {PREFILL_GOAL}× distinct prompt tokens: "
+                     f"{mark(ours.prefill_ratio <= PREFILL_GOAL)} ({ours.prefill_ratio:.2f}×)")
+    if lines and quick:
+        lines.append("- (a --quick run: the goals are stated for the full-size workloads)")
+    return lines
+
+
+def workload_header(wl: Workload, rows: list[Row], run_args: dict[str, dict[str, Any]]) -> list[str]:
+    lines = [f"## {wl.name}", "",
+             f"{wl.title}. Prompt tokens: {wl.total_prompt_tokens:,} in all, {wl.distinct_prompt_tokens:,} distinct "
+             f"(the union of the prompts' prefixes); {wl.total_output_tokens:,} output tokens."]
+    base = run_args.get("sglite")
+    if base is not None:
+        lines[-1] += f" sglite runs with `{_cli_flags(base)}`."
+    hf = next((r for r in rows if r.engine == "transformers" and r.ok), None)
+    if hf is not None:
+        sweep = ", ".join(f"{b}: {t:.1f}" for b, t in hf.details.get("sweep_tok_s", {}).items())
+        lines[-1] += (f" transformers runs static batches of {hf.details.get('batch_size')} (output tok/s of each "
+                      f"size's first batch: {sweep}).")
+    for r in rows:
+        if r.ok and r.details.get("retracted"):
+            lines.append(f"{r.label}: {r.details['retracted']} retractions.")
+    return lines + [""]
+
+
+def write_document(results: dict[str, tuple[Workload, list[Row]]], run_args: dict[str, dict[str, dict[str, Any]]],
+                   out_dir: Path, stem: str, command: str, threads: int, quick: bool, notes: list[str]) -> Path:
+    plots, plot_note = write_plots(results, out_dir, stem)
+    date = datetime.date.today().isoformat()
+    commit = git_commit()
+    lines = [
+        f"# sglite vs transformers{' (quick run)' if quick else ''}, {date}", "",
+        f"Machine: {machine_line(threads)}.", "",
+        "```", f"$ {command}", "```", "",
+        f"sglite {commit}. " if commit else "",
+        "Every request of a workload is submitted at once; greedy (temperature 0) with EOS ignored, so every "
+        "engine generates exactly each request's output length; the same float32 weights (the GGUF, dequantized); "
+        "the same number of torch threads; each configuration in its own process, after a warm-up. "
+        "'greedy = transformers' counts requests whose output ids equal transformers' exactly. "
+        "[docs/benchmarks.md](../../docs/benchmarks.md) defines every column.",
+        "",
+    ]
+    goals = goal_lines(results, quick)
+    if goals:
+        lines += ["Goals:", "", *goals, ""]
+    for name, (wl, rows) in results.items():
+        lines += workload_header(wl, rows, run_args.get(name, {}))
+        lines += [markdown_table(rows), ""]
+        lines += [f"![{p.stem}]({p.name})" for p in plots if p.stem.endswith(f"latency-{name}")]
+        lines.append("")
+    if plots:
+        lines += [f"![throughput]({plots[0].name})", ""]
+    for note in notes + ([plot_note] if plot_note else []):
+        lines.append(f"- {note}")
+    path = out_dir / f"{stem}.md"
+    path.write_text("\n".join(ln for ln in lines).replace("\n\n\n", "\n\n") + "\n")
+    data = {
+        "date": date, "command": command, "machine": machine_line(threads), "commit": commit, "quick": quick,
+        "notes": notes + ([plot_note] if plot_note else []), "plots": [p.name for p in plots],
+        "workloads": {name: {"title": wl.title, "num_requests": wl.num_requests,
+                             "total_prompt_tokens": wl.total_prompt_tokens,
+                             "distinct_prompt_tokens": wl.distinct_prompt_tokens,
+                             "total_output_tokens": wl.total_output_tokens,
+                             "rows": [r.public() for r in rows]}
+                      for name, (wl, rows) in results.items()},
+    }
+    (out_dir / f"{stem}.json").write_text(json.dumps(data, indent=1))
+    return path
+
+
+# --- main -----------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace, prog: str = "python benchmarks/bench.py", argv: list[str] | None = None) -> int:
+    import torch
+
+    from sglite.model_loader import ModelLoadError, load_model
+
+    tic = time.monotonic()
+    names = list(WORKLOADS) if not args.workload or "all" in args.workload else list(dict.fromkeys(args.workload))
+    ablations = select_ablations(args.ablations)
+    threads = args.threads or torch.get_num_threads()
+    sizes = [int(b) for b in args.hf_batch_sizes.split(",")] if args.hf_batch_sizes else list(
+        HF_BATCH_SIZES_QUICK if args.quick else HF_BATCH_SIZES)
+    notes: list[str] = []
+    baseline = not args.skip_baseline
+    if baseline and (why := baseline_unavailable()):
+        say(f"note: {why}")
+        notes.append(why)
+        baseline = False
+    llama_cpp = not args.skip_baseline and importlib.util.find_spec("llama_cpp") is not None
+    if llama_cpp and not (args.model_path == "smollm2-135m" or args.model_path.endswith(".gguf")):
+        notes.append("llama.cpp skipped: it needs a GGUF model")
+        llama_cpp = False
+
+    try:
+        model = load_model(args.model_path)  # downloads / converts once, before anything is timed
+    except ModelLoadError as e:
+        say(f"error: {e}")
+        return 1
+    tok, cfg = model.tokenizer, model.config
+    del model
+    if tok is None:
+        say("error: the benchmark builds its prompts with the model's tokenizer; this model has none")
+        return 1
+    workloads = [build_workload(n, tok, cfg.vocab_size, cfg.context_len, args.requests, args.quick, args.seed)
+                 for n in names]
+    runs, plan_notes = plan(workloads, ablations, args.ablations == "all", baseline, llama_cpp)
+    notes += plan_notes
+    pad_id = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
+
+    out_dir = Path(args.out) if args.out else RESULTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = "-".join(["bench"] + (["quick"] if args.quick else []) +
+                    (names if len(names) < len(WORKLOADS) else []) + [datetime.date.today().isoformat()])
+    say(f"sglite bench: model {args.model_path}, {threads} torch threads, {len(runs)} runs")
+    for n in plan_notes:
+        say(f"note: {n}")
+
+    results: dict[str, tuple[Workload, list[Row]]] = {wl.name: (wl, []) for wl in workloads}
+    run_args: dict[str, dict[str, dict[str, Any]]] = {wl.name: {} for wl in workloads}
+    with tempfile.TemporaryDirectory(prefix="sglite-bench-") as tmp:
+        for i, r in enumerate(runs, 1):
+            say(f"[{i}/{len(runs)}] {r.workload.name} · {r.label}  ({time.monotonic() - tic:.0f} s so far)")
+            t = time.monotonic()
+            res = run_one(r, args.model_path, threads, sizes, pad_id, Path(tmp), i)
+            row = summarize(r.label, r.engine, r.workload, res)
+            results[r.workload.name][1].append(row)
+            run_args[r.workload.name][r.label] = r.server_args
+            if row.ok:
+                say(f"      -> {time.monotonic() - t:.0f} s: {row.output_tok_s:.1f} output tok/s, TTFT p50 "
+                    f"{row.ttft_p50:.2f} s, ITL p50 {row.itl_p50_ms:.0f} ms, peak {row.peak_rss_mb:.0f} MB")
+            else:
+                say(f"      -> failed: {row.error}")
+    for wl, rows in results.values():
+        compare_to_baseline(rows, next((r for r in rows if r.engine == "transformers"), None))
+
+    command = " ".join([prog, *map(shlex.quote, argv if argv is not None else sys.argv[1:])])
+    path = write_document(results, run_args, out_dir, stem, command.strip(), threads, args.quick, notes)
+    print(path.read_text())
+    say(f"wrote {path} (+ .json and plots) in {(time.monotonic() - tic) / 60:.1f} min")
+    return 0 if all(r.ok for _, rows in results.values() for r in rows) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args, argv=argv)
+    except ValueError as e:
+        say(f"error: {e}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
