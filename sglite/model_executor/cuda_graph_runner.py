@@ -17,15 +17,16 @@ pointers every time. So:
   can be captured (``supports_cuda_graph``: the triton backend; torch_native loops
   over requests in Python).
 
-Untested on a GPU in the session that wrote it (no GPU was available): CPU tests cover
-the batch-size list and the padding choice; benchmarks/gpu.py exercises the rest.
+Untested on a GPU in the session that wrote it (no GPU was available). The CPU tests
+run everything but the capture itself: the batch sizes, the static buffers, padding
+and replay, with an eager stand-in for the graph; benchmarks/gpu.py runs real graphs.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -71,7 +72,7 @@ class CudaGraphRunner:
         self.out_cache_loc = buf(0)
         self.positions = buf(0)
 
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, Any] = {}  # torch.cuda.CUDAGraph
         self.output_buffers: dict[int, torch.Tensor] = {}
         self.forward_batches: dict[int, ForwardBatch] = {}
         self.graph_memory_pool = None
@@ -111,6 +112,11 @@ class CudaGraphRunner:
         def run_once() -> torch.Tensor:
             return mr.model(fb.input_ids, fb.positions, fb)
 
+        self.graphs[bs], self.output_buffers[bs] = self._capture_graph(run_once)
+        self.forward_batches[bs] = fb
+
+    def _capture_graph(self, run_once: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        """(graph, its output buffer). The CPU tests swap this for an eager stand-in."""
         # warm up on a side stream: Triton compiles and cuBLAS picks its kernels here,
         # not during capture
         stream = torch.cuda.Stream()
@@ -125,9 +131,7 @@ class CudaGraphRunner:
         with torch.cuda.graph(graph, pool=self.graph_memory_pool):
             out = run_once()
         self.graph_memory_pool = graph.pool()
-        self.graphs[bs] = graph
-        self.output_buffers[bs] = out
-        self.forward_batches[bs] = fb
+        return graph, out
 
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Logits [batch_size, vocab] of a decode batch (``can_run`` must hold)."""

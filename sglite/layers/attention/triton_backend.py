@@ -56,13 +56,13 @@ class TritonAttnBackend(AttentionBackend):
         self.forward_metadata = ForwardMetadata(
             num_kv_splits=self._num_kv_splits_for(batch_size, self.num_kv_heads, self.device))
 
-    # CUDA graphs (SGLang's names): decode metadata depends on the batch size alone, so
-    # capture sets it and replay has nothing to update
+    # CUDA graphs (SGLang's names). Decode metadata depends on the batch size alone: the
+    # graph bakes it in at capture; replay only puts the Python-side copy back in step
     def init_forward_metadata_capture_cuda_graph(self, forward_batch: "ForwardBatch") -> None:
         self._init_decode_metadata(forward_batch.batch_size)
 
     def init_forward_metadata_replay_cuda_graph(self, forward_batch: "ForwardBatch") -> None:
-        pass
+        self._init_decode_metadata(forward_batch.batch_size)
 
     def forward_extend(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch"):  # noqa: ANN001
         from sglite.layers.attention.triton_ops.extend_attention import extend_attention_fwd

@@ -7,21 +7,23 @@ import torch
 import triton
 import triton.language as tl
 
+from sglite.layers.fused_kernels import rows_per_program
+
 
 @triton.jit
 def _store_kv_cache_kernel(
     K, V, K_Buffer, V_Buffer, Loc,
-    stride_kt, stride_vt, stride_kb, stride_vb,
-    ROW: tl.constexpr, BLOCK: tl.constexpr,
+    stride_kt, stride_vt, stride_kb, stride_vb, T,
+    ROW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    i = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < ROW
-    slot = tl.load(Loc + i).to(tl.int64)
-    k = tl.load(K + i * stride_kt + offs, mask=mask)
-    v = tl.load(V + i * stride_vt + offs, mask=mask)
-    tl.store(K_Buffer + slot * stride_kb + offs, k.to(K_Buffer.dtype.element_ty), mask=mask)
-    tl.store(V_Buffer + slot * stride_vb + offs, v.to(V_Buffer.dtype.element_ty), mask=mask)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = (rows < T) & (offs < ROW)
+    slots = tl.load(Loc + rows, mask=rows < T, other=0).to(tl.int64)
+    k = tl.load(K + rows * stride_kt + offs, mask=mask)
+    v = tl.load(V + rows * stride_vt + offs, mask=mask)
+    tl.store(K_Buffer + slots * stride_kb + offs, k.to(K_Buffer.dtype.element_ty), mask=mask)
+    tl.store(V_Buffer + slots * stride_vb + offs, v.to(V_Buffer.dtype.element_ty), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -32,16 +34,18 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def store_kv_cache(
-    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    block_t: int | None = None,
 ) -> None:
     """k, v: [tokens, kv_heads, head_dim]; buffers: [slots, kv_heads, head_dim]; loc: [tokens]."""
     k, v = _rows(k), _rows(v)
     n = k.shape[0]
     row = k.shape[1] * k.shape[2]
     block = min(1024, triton.next_power_of_2(row))
+    block_t = block_t or rows_per_program(k.device)
     if n:
-        _store_kv_cache_kernel[(n, triton.cdiv(row, block))](
+        _store_kv_cache_kernel[(triton.cdiv(n, block_t), triton.cdiv(row, block))](
             k, v, k_buffer, v_buffer, loc,
-            k.stride(0), v.stride(0), k_buffer.stride(0), v_buffer.stride(0),
-            ROW=row, BLOCK=block, num_warps=4,
+            k.stride(0), v.stride(0), k_buffer.stride(0), v_buffer.stride(0), n,
+            ROW=row, BLOCK_T=block_t, BLOCK=block, num_warps=4,
         )
