@@ -46,17 +46,18 @@ def test_decode_ragged_batch(heads, kv_heads, head_dim):
     torch.testing.assert_close(out, ref, **TOL)
 
 
-def test_extend_with_small_blocks_crosses_block_boundaries():
+@pytest.mark.parametrize("block,head_dim", [(16, 64), (64, 128)])  # (64, 128): the bf16 CUDA blocks
+def test_extend_with_explicit_blocks_crosses_block_boundaries(block, head_dim):
     """BLOCK_M = BLOCK_N = 16: many row blocks, prefix and causal loops of several steps,
     a partial last block, and blocks past a short request's rows."""
-    case = make_paged_case([0, 37, 3], [40, 17, 2], 6, 2, 64, seed=1, device=DEVICE)
+    case = make_paged_case([0, 37, 3], [40, 17, 2], 6, 2, head_dim, seed=1, device=DEVICE)
     ref = run_attention(TorchNativeAttnBackend(), case)
     fb, k_buf = case.forward_batch, case.forward_batch.token_to_kv_pool.k_buffer[0]
     out = torch.empty_like(case.q)
     extend_attention_fwd(case.q, case.k, case.v, out, k_buf, fb.token_to_kv_pool.v_buffer[0],
                          fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens,
                          fb.extend_seq_lens, fb.extend_start_loc, max(fb.extend_seq_lens_cpu), case.layer.scaling,
-                         block_m=16, block_n=16)
+                         block_m=block, block_n=block)
     torch.testing.assert_close(out, ref, **TOL)
 
 

@@ -18,6 +18,8 @@ rest are empty), which is also what stage 2 recomputes to skip the empty ones.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import triton
 import triton.language as tl
@@ -124,9 +126,13 @@ def num_kv_splits_for(batch_size: int, num_kv_heads: int, device: torch.device |
     merge is always exercised), at most MAX_KV_SPLITS; fixed per batch size."""
     if not str(device).startswith("cuda"):
         return 2  # CPU interpreter (tests): a merge to do, few programs to interpret
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = -(-8 * sms // max(1, batch_size * num_kv_heads))
+    want = -(-8 * _sm_count(str(device)) // max(1, batch_size * num_kv_heads))
     return max(2, min(MAX_KV_SPLITS, want))
+
+
+@lru_cache(maxsize=None)
+def _sm_count(device: str) -> int:
+    return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
 
 
 def decode_attention_fwd(
@@ -141,7 +147,7 @@ def decode_attention_fwd(
     sm_scale: float,
     attn_logits: torch.Tensor | None = None,
     attn_lse: torch.Tensor | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
 ) -> None:
     """q/o: [bs, q_heads, head_dim]; k/v_buffer: [slots, kv_heads, head_dim]; seq_lens
     count the current token, whose K/V must already be in the buffers.
@@ -152,6 +158,8 @@ def decode_attention_fwd(
     kv_group_num = num_heads // num_kv_heads
     if bs == 0:
         return
+    # float32 K/V tiles of head dim 128 are twice as large: halve them to fit shared memory
+    block_n = block_n or (32 if q.dtype == torch.float32 and head_dim > 64 else 64)
     if attn_logits is None:
         attn_logits = torch.empty((bs, num_heads, num_kv_splits, head_dim), dtype=torch.float32, device=q.device)
     if attn_lse is None:

@@ -99,9 +99,11 @@ def _fwd_kernel_extend(
              out.to(O_Extend.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
-def _default_blocks(head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps)."""
-    return (64, 64, 4) if head_dim <= 64 else (64, 64, 8)
+def _default_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps); float32 tiles of head dim 128 are halved to fit shared memory."""
+    if head_dim <= 64:
+        return 64, 64, 4
+    return (64, 32, 8) if dtype == torch.float32 else (64, 64, 8)
 
 
 def extend_attention_fwd(
@@ -126,7 +128,7 @@ def extend_attention_fwd(
     bs = req_pool_indices.shape[0]
     num_heads, head_dim = q_extend.shape[1], q_extend.shape[2]
     kv_group_num = num_heads // k_extend.shape[1]
-    bm, bn, warps = _default_blocks(head_dim)
+    bm, bn, warps = _default_blocks(head_dim, q_extend.dtype)
     bm, bn = block_m or bm, block_n or bn
     if bs == 0 or max_len_extend == 0:
         return

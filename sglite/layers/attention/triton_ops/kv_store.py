@@ -38,7 +38,7 @@ def store_kv_cache(
     block_t: int | None = None,
 ) -> None:
     """k, v: [tokens, kv_heads, head_dim]; buffers: [slots, kv_heads, head_dim]; loc: [tokens]."""
-    k, v = _rows(k), _rows(v)
+    k, v, loc = _rows(k), _rows(v), loc.contiguous()
     n = k.shape[0]
     row = k.shape[1] * k.shape[2]
     block = min(1024, triton.next_power_of_2(row))
