@@ -168,6 +168,7 @@ class Engine:
                     self.abort(rid)
             if self.scheduler.has_work():
                 self.scheduler.step()
+            self.scheduler.shutdown()
 
     def __enter__(self) -> "Engine":
         return self

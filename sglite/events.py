@@ -81,9 +81,11 @@ class EventBus:
         return unsubscribe
 
     def emit(self, event_cls: type["Event"], **fields: Any) -> None:
+        """``iteration`` defaults to the current one; ``ts`` to now."""
         if not self.active:
             return
-        event = event_cls(iteration=self.iteration, **fields)
+        fields.setdefault("iteration", self.iteration)
+        event = event_cls(**fields)
         for fn in tuple(self._subscribers):
             fn(event)
 
@@ -179,6 +181,7 @@ class TokensEmitted(Event):
 
 @dataclass(frozen=True)
 class BatchPlanned(Event):
+    bid: int = 0  # batch id: Scheduler.forward_ct, 1 for the first forward
     forward_mode: str = ""
     rids: tuple[str, ...] = ()
     seq_lens: tuple[int, ...] = ()
@@ -198,6 +201,11 @@ class AdmissionStopped(Event):
 
 @dataclass(frozen=True)
 class ForwardStarted(Event):
+    """In the overlap loop both forward events are emitted when the scheduler collects
+    the result, with ``ts`` set to when the worker really started / finished and
+    ``iteration`` to the iteration that launched the batch."""
+
+    bid: int = 0
     forward_mode: str = ""
     batch_size: int = 0
     num_tokens: int = 0
@@ -206,6 +214,7 @@ class ForwardStarted(Event):
 
 @dataclass(frozen=True)
 class ForwardFinished(Event):
+    bid: int = 0
     forward_mode: str = ""
     batch_size: int = 0
     num_tokens: int = 0
@@ -240,12 +249,17 @@ class CacheEvicted(Event):
 class IterationFinished(Event):
     """End of one scheduler iteration, with when each of its phases ended (monotonic
     seconds): started -> scheduled (get_next_batch_to_run) -> forwarded (run_batch)
-    -> ts (process_batch_result)."""
+    -> ts (process_batch_result). ``bid`` is the batch planned and launched in this
+    iteration (0: idle), ``processed_bid`` the batch whose results were processed: the
+    same one in the normal loop, the previous one in the overlap loop."""
 
     started: float = 0.0
     scheduled: float = 0.0
     forwarded: float = 0.0
-    forward_mode: str = ""  # "" when the round was idle
+    resolved: float = 0.0  # overlap: when the processed batch's tokens were back (waited from forwarded)
+    bid: int = 0
+    processed_bid: int = 0
+    forward_mode: str = ""  # of batch ``bid``; "" when none was launched
     rids: tuple[str, ...] = ()
     num_waiting: int = 0
     num_running: int = 0

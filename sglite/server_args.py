@@ -37,6 +37,9 @@ class ServerArgs:
     schedule_policy: str = _opt("fcfs", "order of the waiting_queue", choices=SCHEDULE_POLICIES)
     schedule_conservativeness: float = _opt(1.0, "scales init_new_token_ratio: higher admits fewer new requests")
     disable_radix_cache: bool = _opt(False, "use ChunkCache: no prefix reuse")
+    disable_overlap_schedule: bool = _opt(
+        False, "run event_loop_normal: plan the next round only after this round's tokens are back "
+               "(default: event_loop_overlap plans round N+1 while round N's forward runs)")
     random_seed: int = _opt(42, "seed for requests that bring no seed of their own")
     waiting_timeout: float | None = _opt(None, "abort a request that waits longer than this many seconds")
     running_timeout: float | None = _opt(None, "abort a request that runs longer than this many seconds")

@@ -44,10 +44,21 @@ class Listener:
 
 
 @dataclass
+class _BatchState:
+    planned_in: ev.IterationFinished  # the iteration that planned and launched it
+    links: list[Node]  # the requests it serves
+    planned: ev.BatchPlanned | None
+    stop: ev.AdmissionStopped | None
+
+
+@dataclass
 class _ReqState:
     root: Node
-    stage: Node | None = None
-    chunks: int = 0
+    stage: Node | None = None  # waiting or decode
+    # prefill stages not yet done, oldest first: in the overlap loop chunk k+1 is
+    # admitted before chunk k's result is processed, so two can be open at once
+    prefills: list[Node] = field(default_factory=list)
+    chunks: int = 0  # chunks admitted so far
     first_token_at: float | None = None  # decode starts here once a second token comes
 
 
@@ -61,6 +72,8 @@ class TimelineBuilder:
         self.reqs: dict[str, _ReqState] = {}
         self._finished_roots: dict[str, Node] = {}  # finished this iteration: still linkable
         self._iteration: list[ev.Event] = []
+        self._batches: dict[int, _BatchState] = {}  # launched, results not processed yet
+        self._forwards: dict[int, dict[type, ev.Event]] = {}  # bid -> its forward events
         self._handlers: dict[type, Callable[[Any], None]] = {
             ev.ReqArrived: self._arrived, ev.ReqAdmitted: self._admitted, ev.ReqChunked: self._chunked,
             ev.TokensEmitted: self._tokens, ev.ReqRetracted: self._retracted, ev.ReqFinished: self._finished,
@@ -95,6 +108,11 @@ class TimelineBuilder:
             self._close(st.stage, end)
             st.stage = None
 
+    def _end_prefills(self, st: _ReqState, end: float) -> None:
+        for node in st.prefills:
+            self._close(node, end)
+        st.prefills = []
+
     # --- requests ---------------------------------------------------------------------
 
     def _arrived(self, e: ev.ReqArrived) -> None:
@@ -113,8 +131,11 @@ class TimelineBuilder:
         if st is None:
             return
         self._end_stage(st, e.ts)
-        name = f"prefill.chunk[{st.chunks}]" if (e.chunked or st.chunks) else "prefill"
-        self._stage(st, name, e.ts, **{"sglite.prefix_len": e.prefix_len, "sglite.extend_len": e.extend_len})
+        name = "prefill"
+        if e.chunked or st.chunks:
+            name, st.chunks = f"prefill.chunk[{st.chunks}]", st.chunks + 1
+        st.prefills.append(self._open(Node(name, e.ts, "stage", st.root.track, st.root, attributes={
+            "sglite.prefix_len": e.prefix_len, "sglite.extend_len": e.extend_len})))
 
     def _cache_matched(self, e: ev.CacheMatched) -> None:
         st = self.reqs.get(e.rid)
@@ -123,19 +144,18 @@ class TimelineBuilder:
 
     def _chunked(self, e: ev.ReqChunked) -> None:
         st = self.reqs.get(e.rid)
-        if st is None:
+        if st is None or not st.prefills:
             return
-        if st.stage is not None:
-            st.stage.attributes["sglite.computed_len"] = e.computed_len
-        self._end_stage(st, e.ts)
-        st.chunks += 1
+        node = st.prefills.pop(0)
+        node.attributes["sglite.computed_len"] = e.computed_len
+        self._close(node, e.ts)
 
     def _tokens(self, e: ev.TokensEmitted) -> None:
         st = self.reqs.get(e.rid)
         if st is None:
             return
-        if st.stage is not None and st.stage.name.startswith("prefill"):
-            self._end_stage(st, e.ts)
+        if st.prefills:
+            self._end_prefills(st, e.ts)
             st.first_token_at = e.ts
         elif st.stage is None and st.first_token_at is not None:
             self._stage(st, "decode", st.first_token_at)
@@ -148,6 +168,7 @@ class TimelineBuilder:
         if st is None:
             return
         self._end_stage(st, e.ts)
+        self._end_prefills(st, e.ts)  # overlap: retracted before its prefill's result came back
         st.first_token_at = None
         st.root.events.append(("retract", e.ts, {
             "sglite.reason": e.reason, "sglite.output_tokens": e.output_tokens,
@@ -159,6 +180,7 @@ class TimelineBuilder:
         if st is None:
             return None
         self._end_stage(st, ts)
+        self._end_prefills(st, ts)
         self._finished_roots[rid] = st.root
         st.root.attributes["gen_ai.response.finish_reasons"] = [reason]
         st.root.attributes.update(attrs)
@@ -184,42 +206,65 @@ class TimelineBuilder:
     # --- iterations -------------------------------------------------------------------
 
     def _iteration_finished(self, e: ev.IterationFinished) -> None:
+        """A batch's span runs from the start of the iteration that planned it to the end
+        of the one that processed its results: the same iteration in the normal loop,
+        the next one in the overlap loop (so consecutive batches overlap in time)."""
         buffered, self._iteration = self._iteration, []
         finished, self._finished_roots = self._finished_roots, {}
-        if self.level < TRACE_LEVEL_ITERATIONS or not e.forward_mode:
-            return  # idle rounds would only add noise
-        planned = next((x for x in buffered if isinstance(x, ev.BatchPlanned)), None)
-        fwd_start = next((x for x in buffered if isinstance(x, ev.ForwardStarted)), None)
-        fwd_end = next((x for x in buffered if isinstance(x, ev.ForwardFinished)), None)
+        if self.level < TRACE_LEVEL_ITERATIONS:
+            return
+        for x in buffered:
+            if isinstance(x, (ev.ForwardStarted, ev.ForwardFinished)):
+                self._forwards.setdefault(x.bid, {})[type(x)] = x
+        if e.bid:
+            roots = {**finished, **{rid: st.root for rid, st in self.reqs.items()}}
+            self._batches[e.bid] = _BatchState(
+                e, [roots[r] for r in e.rids if r in roots],
+                next((x for x in buffered if isinstance(x, ev.BatchPlanned)), None),
+                next((x for x in buffered if isinstance(x, ev.AdmissionStopped)), None))
+        if e.processed_bid in self._batches:
+            self._batch_spans(self._batches.pop(e.processed_bid), e)
+
+    def _batch_spans(self, b: _BatchState, done: ev.IterationFinished) -> None:
+        p = b.planned_in
+        overlapped = done.processed_bid != done.bid
+        track = "scheduler"
+        planned = b.planned
         rows = planned.num_rows if planned else 0
-        roots = {**finished, **{rid: st.root for rid, st in self.reqs.items()}}
-        links = [roots[r] for r in e.rids if r in roots]
-        it = self._open(Node("ScheduleBatch", e.started, "iteration", "scheduler", links=links, attributes={
-            "sglite.iteration": e.iteration, "sglite.forward_mode": e.forward_mode,
-            "sglite.batch_size": len(e.rids), "sglite.num_rows": rows, "sglite.num_waiting": e.num_waiting,
-            "sglite.num_running": e.num_running, "sglite.token_usage": e.token_usage,
-            "sglite.cache_hit_rate": e.cache_hit_rate, "sglite.new_token_ratio": e.new_token_ratio,
-            "sglite.rids": list(e.rids)}))
+        it = self._open(Node("ScheduleBatch", p.started, "iteration", track, links=b.links, attributes={
+            "sglite.iteration": p.iteration, "sglite.bid": p.bid, "sglite.forward_mode": p.forward_mode,
+            "sglite.batch_size": len(p.rids), "sglite.num_rows": rows, "sglite.num_waiting": p.num_waiting,
+            "sglite.num_running": p.num_running, "sglite.token_usage": p.token_usage,
+            "sglite.cache_hit_rate": p.cache_hit_rate, "sglite.new_token_ratio": p.new_token_ratio,
+            "sglite.rids": list(p.rids), "sglite.overlap": overlapped}))
         plan_attrs: dict[str, Any] = {}
         if planned is not None:
             plan_attrs = {"sglite.prefix_lens": list(planned.prefix_lens), "sglite.extend_lens": list(planned.extend_lens),
                           "sglite.seq_lens": list(planned.seq_lens), "sglite.num_rows": planned.num_rows}
             if planned.out_cache_loc:
                 plan_attrs["sglite.out_cache_loc"] = [min(planned.out_cache_loc), max(planned.out_cache_loc)]
-        stop = next((x for x in buffered if isinstance(x, ev.AdmissionStopped)), None)
-        if stop is not None:
-            plan_attrs["sglite.admission_stopped"] = stop.reason
-        self._close(self._open(Node("get_next_batch_to_run", e.started, "phase", "scheduler", it,
-                                    attributes=plan_attrs)), e.scheduled)
-        run = self._open(Node("run_batch", e.scheduled, "phase", "scheduler", it))
+        if b.stop is not None:
+            plan_attrs["sglite.admission_stopped"] = b.stop.reason
+        self._close(self._open(Node("get_next_batch_to_run", p.started, "phase", track, it,
+                                    attributes=plan_attrs)), p.scheduled)
+        run = self._open(Node("run_batch", p.scheduled, "phase", track, it))
+        fwd = self._forwards.pop(p.bid, {})
+        fwd_start, fwd_end = fwd.get(ev.ForwardStarted), fwd.get(ev.ForwardFinished)
         if fwd_start is not None and fwd_end is not None:
-            fwd = self._open(Node("forward", fwd_start.ts, "phase", "forward", run, attributes={
-                "sglite.forward_mode": fwd_end.forward_mode, "sglite.batch_size": fwd_end.batch_size,
-                "sglite.num_rows": fwd_end.num_tokens, "sglite.attention_backend": fwd_end.backend}))
-            self._close(fwd, fwd_end.ts)
-        self._close(run, e.forwarded)
-        self._close(self._open(Node("process_batch_result", e.forwarded, "phase", "scheduler", it)), e.ts)
-        self._close(it, e.ts)
+            node = self._open(Node("forward", fwd_start.ts, "phase", "forward", run, attributes={
+                "sglite.bid": p.bid, "sglite.forward_mode": fwd_end.forward_mode,
+                "sglite.batch_size": fwd_end.batch_size, "sglite.num_rows": fwd_end.num_tokens,
+                "sglite.attention_backend": fwd_end.backend}))
+            self._close(node, fwd_end.ts)
+        # normal loop: run_batch includes the forward; overlap: it only launches it
+        self._close(run, p.forwarded)
+        process = self._open(Node("process_batch_result", done.forwarded, "phase", track, it))
+        if overlapped and done.resolved > done.forwarded:
+            # the scheduler had nothing left to do but wait for this batch's forward
+            self._close(self._open(Node("resolve_batch_result", done.forwarded, "phase", track, process)),
+                        done.resolved)
+        self._close(process, done.ts)
+        self._close(it, done.ts)
 
     def close_open(self, ts: float) -> None:
         """End whatever is still open (an engine shut down mid-request)."""

@@ -42,7 +42,7 @@ def diagnose(events: list[ev.Event]) -> tuple[str, dict]:
 
 
 def scenario(n_reqs: int, shared: bool, **kw) -> list[ev.Event]:
-    engine = Engine("tiny-random", **kw)
+    engine = Engine("tiny-random", disable_overlap_schedule=True, **kw)
     log = ev.EventLog()
     engine.event_bus.subscribe(log)
     rng = random.Random(0)

@@ -21,7 +21,8 @@ def run(n: Narrator) -> None:
           作为 1-token extend 追加（extend_lens += [1] * bs），并设 ForwardMode.MIXED（000 §4）。""")
     outputs = {}
     for mixed in (True, False):
-        engine = Engine("tiny-random", max_total_tokens=512, enable_mixed_chunk=mixed)
+        engine = Engine("tiny-random", max_total_tokens=512, enable_mixed_chunk=mixed,
+                        disable_overlap_schedule=True)
         sched = engine.scheduler
         engine.submit(input_ids=[5, 6, 7, 8], sampling_params=GREEDY, rid="A")
         engine.submit(input_ids=[9, 10, 11], sampling_params=GREEDY, rid="B")

@@ -62,7 +62,7 @@ def run(n: Narrator) -> None:
     orders = {}
     for policy in ("fcfs", "lpm"):
         engine = Engine("tiny-random", max_total_tokens=512, schedule_policy=policy, max_prefill_tokens=40,
-                        chunked_prefill_size=40)
+                        chunked_prefill_size=40, disable_overlap_schedule=True)
         shared = list(range(100, 130))
         engine.generate(input_ids=shared + [5], sampling_params={"max_new_tokens": 1})
         params = {"max_new_tokens": 1}

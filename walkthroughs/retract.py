@@ -38,7 +38,8 @@ def run(n: Narrator) -> None:
           让接纳重新变得谨慎。""")
     # a 256-token pool and a low schedule_conservativeness over-admit on purpose
     n.diagram("request-states", STATE_DOT)
-    engine = Engine("tiny-random", max_total_tokens=256, schedule_conservativeness=0.05)
+    engine = Engine("tiny-random", max_total_tokens=256, schedule_conservativeness=0.05,
+                    disable_overlap_schedule=True)
     log = ev.EventLog()
     engine.event_bus.subscribe(log)
     ps = prompts()

@@ -18,7 +18,7 @@ def run(n: Narrator) -> None:
     from tracing.perfetto import events_to_chrome_trace
 
     n.title("Following one request through its trace", "沿着一条请求的 trace 走一遍")
-    engine = Engine("tiny-random", max_total_tokens=2048, chunked_prefill_size=16)
+    engine = Engine("tiny-random", max_total_tokens=2048, chunked_prefill_size=16, disable_overlap_schedule=True)
     log = ev.EventLog()
     engine.event_bus.subscribe(log)
     mem = InMemorySpanExporter()

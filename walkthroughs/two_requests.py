@@ -24,7 +24,7 @@ def spy_forwards(engine: Engine) -> list:
 def run(n: Narrator) -> None:
     n.title("Two requests: admission, a 9-row prefill, a 2-row decode",
             "两条请求：接纳、9 行 Prefill、2 行 Decode")
-    engine = Engine("tiny-random", max_total_tokens=256)
+    engine = Engine("tiny-random", max_total_tokens=256, disable_overlap_schedule=True)
     forwards = spy_forwards(engine)
     sched = engine.scheduler
 

@@ -104,7 +104,10 @@ class Req:
         self.prefix_indices: torch.Tensor = torch.empty(0, dtype=torch.int64)
         self.extend_input_len = 0
         self.last_node: Any = None
-        self.kv_committed_len = 0  # tokens whose KV sits in req_to_token[req_pool_idx]
+        self.kv_committed_len = 0  # positions with a KV slot in req_to_token[req_pool_idx]
+        # overlap loop: the placeholder (-index into the future map) of the token the
+        # in-flight forward samples for this request; None once it is in output_ids
+        self.future_token_id: int | None = None
 
         # state
         self.finished_reason: BaseFinishReason | None = None
@@ -138,7 +141,8 @@ class Req:
 
     @property
     def seqlen(self) -> int:
-        return len(self.origin_input_ids) + len(self.output_ids)
+        """Tokens in the sequence, counting one still being sampled (overlap loop)."""
+        return len(self.origin_input_ids) + len(self.output_ids) + (self.future_token_id is not None)
 
     def init_next_round_input(self, tree_cache: "BasePrefixCache | None" = None) -> None:
         """fill_ids = prompt + output so far; reuse the longest cached prefix, but
@@ -158,6 +162,7 @@ class Req:
         self.fill_ids = []
         self.kv_committed_len = 0
         self.already_computed = 0
+        self.future_token_id = None  # overlap: the in-flight token is dropped, recomputed later
         self.is_retracted = True
         self.retraction_count += 1
         self.wait_queue_entry_time = time.perf_counter()
@@ -312,10 +317,11 @@ class ScheduleBatch:
         self.sampling_info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device)
 
     def prepare_for_decode(self) -> None:
-        """Seed 000 §4: one new row per request, the token sampled last round."""
+        """Seed 000 §4: one new row per request, the token sampled last round (in the
+        overlap loop, its future id when that round is still running)."""
         self.forward_mode = ForwardMode.DECODE
         reqs = self.reqs
-        self.input_ids = [r.output_ids[-1] for r in reqs]
+        self.input_ids = [r.output_ids[-1] if r.future_token_id is None else r.future_token_id for r in reqs]
         self.output_ids = list(self.input_ids)
         self.seq_lens = [r.seqlen for r in reqs]
         self.req_pool_indices = [r.req_pool_idx for r in reqs]
@@ -331,7 +337,9 @@ class ScheduleBatch:
 
     def mix_with_running(self, running_batch: "ScheduleBatch") -> None:
         """ForwardMode.MIXED: the decode tail rides along as 1-token extends after the
-        new prefill rows (call running_batch.prepare_for_decode() first)."""
+        new prefill rows (call running_batch.prepare_for_decode() first). In the overlap
+        loop the tail's last tokens may not exist yet: prepare_for_decode gave them
+        future ids and counted them in seq_lens (SGLang's ``delta`` of 0 vs -1)."""
         self.forward_mode = ForwardMode.MIXED
         self.decoding_reqs = list(running_batch.reqs)
         self.reqs = self.reqs + running_batch.reqs
@@ -343,6 +351,18 @@ class ScheduleBatch:
         self.extend_lens = self.extend_lens + [1] * running_batch.batch_size()
         self.extend_num_tokens += running_batch.batch_size()
         self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs, self.vocab_size, self.device)
+
+    def copy(self) -> "ScheduleBatch":
+        """What process_batch_result needs of this round, kept apart from the running
+        batch that the next round's planning edits in place."""
+        return ScheduleBatch(
+            reqs=list(self.reqs), req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.token_to_kv_pool_allocator, tree_cache=self.tree_cache,
+            vocab_size=self.vocab_size, device=self.device, forward_mode=self.forward_mode,
+            seq_lens=list(self.seq_lens), out_cache_loc=self.out_cache_loc, prefix_lens=list(self.prefix_lens),
+            extend_lens=list(self.extend_lens), extend_num_tokens=self.extend_num_tokens,
+            decoding_reqs=list(self.decoding_reqs), chunked_req=self.chunked_req,
+        )
 
     def filter_batch(self, chunked_req_to_exclude: Req | None = None) -> None:
         self.reqs = [r for r in self.reqs if not r.finished() and r is not chunked_req_to_exclude]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from dataclasses import dataclass
+from collections import deque
 from typing import Any
 
 
@@ -16,6 +16,7 @@ from sglite import events as ev
 from sglite.managers.io_struct import AbortReq, BatchStrOut, TokenizedGenerateReqInput
 from sglite.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from sglite.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
+from sglite.managers.tp_worker_overlap_thread import GenerationBatchResult, TpModelWorkerClient
 from sglite.mem_cache.chunk_cache import ChunkCache
 from sglite.mem_cache.radix_cache import RadixCache
 from sglite.model_executor.forward_batch_info import ForwardBatch
@@ -29,12 +30,6 @@ logger = logging.getLogger("sglite")
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
-
-
-@dataclass
-class GenerationBatchResult:
-    next_token_ids: list[int]
-    forward_time: float
 
 
 class Scheduler:
@@ -87,6 +82,12 @@ class Scheduler:
         self.num_reqs_received = 0  # also seeds requests that bring no seed of their own
         self._outputs: list[BatchStrOut] = []
 
+        # event_loop_overlap: forwards run on a worker; a round's results are processed
+        # one iteration later, while the next round runs
+        self.enable_overlap = not server_args.disable_overlap_schedule
+        self.tp_worker = TpModelWorkerClient(self.model_runner, self.max_running_requests) if self.enable_overlap else None
+        self.result_queue: deque[tuple[ScheduleBatch, GenerationBatchResult]] = deque()
+
     # --- helpers ----------------------------------------------------------------------
 
     def _new_batch(self, reqs: list[Req], chunked_req: Req | None = None) -> ScheduleBatch:
@@ -118,7 +119,7 @@ class Scheduler:
         return list(seen.values())
 
     def has_work(self) -> bool:
-        return bool(self.live_reqs()) or not self.request_queue.empty()
+        return bool(self.live_reqs()) or not self.request_queue.empty() or bool(self.result_queue)
 
     # --- 1. receive -------------------------------------------------------------------
 
@@ -235,6 +236,7 @@ class Scheduler:
             self.chunked_req.req_pool_idx = None
 
         if self.last_batch is not None and self.last_batch.forward_mode.is_extend():
+            self._cache_prefilled(self.last_batch)
             self.last_batch.filter_batch(chunked_req_to_exclude=self.chunked_req)
             if not self.last_batch.is_empty():
                 self.running_batch.merge_batch(self.last_batch)
@@ -246,6 +248,17 @@ class Scheduler:
             self.running_batch = self.update_running_batch(self.running_batch)
             return None if self.running_batch.is_empty() else self.running_batch
         return None
+
+    def _cache_prefilled(self, batch: ScheduleBatch) -> None:
+        """Put the prompts the last round prefilled into the tree, so this round's
+        admissions can hit them. SGLang does this in process_batch_result; sglite does it
+        here, where the batch merges into running_batch, because in the overlap loop that
+        is before the round's results are back: forwards run in launch order, so any
+        later round reads the KV this one writes."""
+        decoding = set(map(id, batch.decoding_reqs))
+        for req in batch.reqs:
+            if not req.finished() and req is not self.chunked_req and id(req) not in decoding:
+                self.tree_cache.cache_unfinished_req(req)
 
     def _stop_admission(self, reason: str, adder: PrefillAdder | None = None) -> None:
         self.last_admission_stop = reason
@@ -357,45 +370,79 @@ class Scheduler:
     # --- 3. run_batch -----------------------------------------------------------------
 
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        """Normal loop: run the forward and sample. Overlap loop: hand the forward to the
+        worker and return at once; each request's next token is a future id until
+        process_batch_result resolves it."""
         self.forward_ct += 1
+        bid = self.forward_ct
         forward_batch = ForwardBatch.init_new(batch, self.model_runner)
-        mode = batch.forward_mode.name
-        backend = self.model_runner.attn_backend.name
         if self.bus.active:
-            self.bus.emit(ev.BatchPlanned, forward_mode=mode, rids=tuple(r.rid for r in batch.reqs),
-                          seq_lens=tuple(batch.seq_lens), prefix_lens=tuple(batch.prefix_lens),
-                          extend_lens=tuple(batch.extend_lens),
+            self.bus.emit(ev.BatchPlanned, bid=bid, forward_mode=batch.forward_mode.name,
+                          rids=tuple(r.rid for r in batch.reqs), seq_lens=tuple(batch.seq_lens),
+                          prefix_lens=tuple(batch.prefix_lens), extend_lens=tuple(batch.extend_lens),
                           out_cache_loc=tuple(batch.out_cache_loc.tolist()), num_rows=len(batch.input_ids))
-            self.bus.emit(ev.ForwardStarted, forward_mode=mode, batch_size=batch.batch_size(),
-                          num_tokens=len(batch.input_ids), backend=backend)
-        tic = time.perf_counter()
+        if self.tp_worker is not None:
+            self.req_to_token_pool.forward_launched = bid
+            result = self.tp_worker.forward_batch_generation(forward_batch, bid, self.iteration)
+            for req, future in zip(batch.reqs, result.future_token_ids):
+                if req is not batch.chunked_req:  # a non-final chunk samples nothing real
+                    req.future_token_id = future
+            return result
+        result = GenerationBatchResult(bid=bid, iteration=self.iteration, forward_started=time.monotonic())
+        self._emit_forward(ev.ForwardStarted, batch, result)
         logits = self.model_runner.forward(forward_batch)
-        next_token_ids = self.model_runner.sample(logits, forward_batch).tolist()
-        forward_time = time.perf_counter() - tic
-        self.bus.emit(ev.ForwardFinished, forward_mode=mode, batch_size=batch.batch_size(),
-                      num_tokens=len(batch.input_ids), backend=backend, duration=forward_time)
-        return GenerationBatchResult(next_token_ids, forward_time)
+        result.next_token_ids = self.model_runner.sample(logits, forward_batch).tolist()
+        result.forward_finished = time.monotonic()
+        self._emit_forward(ev.ForwardFinished, batch, result)
+        return result
+
+    def _emit_forward(self, event_cls: type[ev.Event], batch: ScheduleBatch, result: GenerationBatchResult,
+                      iteration: int | None = None) -> None:
+        if not self.bus.active:
+            return
+        fields: dict[str, Any] = dict(bid=result.bid, forward_mode=batch.forward_mode.name,
+                                      batch_size=batch.batch_size(), num_tokens=batch.extend_num_tokens,
+                                      backend=self.model_runner.attn_backend.name)
+        if event_cls is ev.ForwardFinished:
+            fields.update(duration=result.forward_time, ts=result.forward_finished)
+        else:
+            fields.update(ts=result.forward_started)
+        if iteration is not None:
+            fields["iteration"] = iteration
+        self.bus.emit(event_cls, **fields)
 
     # --- 4. process_batch_result --------------------------------------------------------
 
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+        if self.tp_worker is not None:
+            self.tp_worker.resolve_batch_result(result)
+            self.req_to_token_pool.mark_forward_done(result.bid)
+            # the forward ran while the scheduler went on: report it with its own times,
+            # under the iteration that launched it
+            self._emit_forward(ev.ForwardStarted, batch, result, iteration=result.iteration)
+            self._emit_forward(ev.ForwardFinished, batch, result, iteration=result.iteration)
         decoding = set(map(id, batch.decoding_reqs))
-        for req, token_id in zip(batch.reqs, result.next_token_ids):
+        assert result.next_token_ids is not None
+        for i, (req, token_id) in enumerate(zip(batch.reqs, result.next_token_ids)):
+            if result.future_token_ids and req.future_token_id == result.future_token_ids[i]:
+                req.future_token_id = None  # no later round of this request is in flight
             if req.finished():
-                continue  # aborted while its batch was planned
+                # aborted while its batch ran, or (overlap) finished by the previous
+                # round after this one was planned: the token is dropped, never streamed
+                continue
+            if req.is_retracted:
+                continue  # overlap: retracted while this round ran; recomputed after re-admission
             if batch.forward_mode.is_extend() and id(req) not in decoding and req.is_chunked > 0:
                 # a non-final chunk: its sampled token is meaningless
                 req.is_chunked -= 1
                 req.chunk_index += 1
                 self.bus.emit(ev.ReqChunked, rid=req.rid, chunk_index=req.chunk_index - 1,
-                              computed_len=len(req.fill_ids), total_len=req.seqlen)
+                              computed_len=batch.seq_lens[i],
+                              total_len=len(req.origin_input_ids) + len(req.output_ids))
                 continue
             self._append_token(req, token_id)
             if req.finished():
                 self.tree_cache.cache_finished_req(req)
-            elif batch.forward_mode.is_extend() and id(req) not in decoding:
-                # put the freshly computed prompt in the tree so others can hit it
-                self.tree_cache.cache_unfinished_req(req)
             self._stream_req(req)
         if batch.forward_mode.is_decode():
             self.forward_ct_decode += 1
@@ -529,24 +576,33 @@ class Scheduler:
     # --- the loop ---------------------------------------------------------------------
 
     def step(self) -> list[BatchStrOut]:
-        """One iteration of event_loop_normal; returns what the requests produced."""
+        """One iteration of event_loop_normal, or of event_loop_overlap (seed 004 §6):
+        there, this round is launched and the previous round's results are processed
+        while it runs. Returns what the requests produced."""
         self.iteration += 1
         self.bus.iteration = self.iteration
         started = time.monotonic()
         self.process_input_requests(self.recv_requests())
         batch = self.get_next_batch_to_run()
         self.cur_batch = batch
-        scheduled = forwarded = time.monotonic()
+        scheduled = launched = time.monotonic()
         if batch is not None:
-            result = self.run_batch(batch)
-            forwarded = time.monotonic()
-            self.process_batch_result(batch, result)
-        else:
+            self.result_queue.append((batch.copy(), self.run_batch(batch)))
+            launched = time.monotonic()
+        processed_bid, resolved = 0, launched
+        # normal: this round's results; overlap: the previous round's, or the last one
+        # when nothing new was launched
+        if self.result_queue and (self.tp_worker is None or batch is None or len(self.result_queue) > 1):
+            done_batch, result = self.result_queue.popleft()
+            self.process_batch_result(done_batch, result)
+            processed_bid, resolved = result.bid, max(result.resolved, launched)
+        elif batch is None:
             self.self_check_during_idle()
         self.last_batch = batch
         if self.bus.active:
             self.bus.emit(
-                ev.IterationFinished, started=started, scheduled=scheduled, forwarded=forwarded,
+                ev.IterationFinished, started=started, scheduled=scheduled, forwarded=launched, resolved=resolved,
+                bid=self.forward_ct if batch is not None else 0, processed_bid=processed_bid,
                 forward_mode=batch.forward_mode.name if batch is not None else "",
                 rids=tuple(r.rid for r in batch.reqs) if batch is not None else (),
                 num_waiting=len(self.waiting_queue), num_running=len(self.running_reqs()),
@@ -555,6 +611,13 @@ class Scheduler:
             )
         outputs, self._outputs = self._outputs, []
         return outputs
+
+    def shutdown(self) -> None:
+        """Finish the round in flight (overlap) and stop the forward worker."""
+        while self.result_queue:
+            self.process_batch_result(*self.result_queue.popleft())
+        if self.tp_worker is not None:
+            self.tp_worker.shutdown()
 
     def running_reqs(self) -> list[Req]:
         """Requests past admission and not finished (the running batch, plus a batch

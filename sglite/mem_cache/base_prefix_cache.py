@@ -53,6 +53,12 @@ class BasePrefixCache(ABC):
             return len(req.origin_input_ids) + len(req.output_ids) - 1
         return len(req.prefix_indices)
 
+    @classmethod
+    def _allocated_len(cls, req: Any) -> int:
+        """Positions holding a KV slot: ``_kv_len``, and in the overlap loop also the
+        slot of a round still running for a request that has already finished."""
+        return max(cls._kv_len(req), req.kv_committed_len)
+
     @abstractmethod
     def reset(self) -> None: ...
 

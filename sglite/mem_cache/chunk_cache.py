@@ -24,8 +24,7 @@ class ChunkCache(BasePrefixCache):
         return MatchResult(self._empty(), None)
 
     def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
-        n = self._kv_len(req)
-        kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, :n]
+        kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, : self._allocated_len(req)]
         self.token_to_kv_pool_allocator.free(kv_indices.clone())
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None

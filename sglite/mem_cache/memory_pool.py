@@ -20,9 +20,24 @@ class ReqToTokenPool:
         self.device = device
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
         self.free_slots: list[int] = list(range(size))
+        # The overlap loop plans round N+1 while round N's forward still reads rows.
+        # A row freed then is held back until that forward is done, so the scheduler
+        # never rewrites a row under a running forward. forward_launched/forward_done
+        # are batch ids set by the scheduler; in the normal loop they stay equal.
+        self.forward_launched = 0
+        self.forward_done = 0
+        self._held: list[tuple[int, int]] = []  # (row, forward that may still read it)
 
     def available_size(self) -> int:
-        return len(self.free_slots)
+        """Free rows, counting those held back for an in-flight forward."""
+        return len(self.free_slots) + len(self._held)
+
+    def mark_forward_done(self, bid: int) -> None:
+        self.forward_done = max(self.forward_done, bid)
+        ready = [idx for idx, until in self._held if until <= self.forward_done]
+        if ready:
+            self._held = [(idx, until) for idx, until in self._held if until > self.forward_done]
+            self.free_slots.extend(ready)
 
     def alloc(self, need_size: int) -> list[int] | None:
         if need_size > len(self.free_slots):
@@ -33,16 +48,21 @@ class ReqToTokenPool:
     def free(self, free_index: int | list[int]) -> None:
         if isinstance(free_index, int):
             free_index = [free_index]
+        held = {idx for idx, _ in self._held}
         for idx in free_index:
-            if idx in self.free_slots or not 0 <= idx < self.size:
+            if idx in self.free_slots or idx in held or not 0 <= idx < self.size:
                 raise RuntimeError(f"double free or bad req_pool_idx {idx}")
-        self.free_slots.extend(free_index)
+        if self.forward_launched > self.forward_done:
+            self._held += [(idx, self.forward_launched) for idx in free_index]
+        else:
+            self.free_slots.extend(free_index)
 
     def write(self, req_pool_idx: int, start: int, values: torch.Tensor) -> None:
         self.req_to_token[req_pool_idx, start : start + len(values)] = values.to(self.device)
 
     def clear(self) -> None:
         self.free_slots = list(range(self.size))
+        self._held = []
 
 
 class TokenToKVPoolAllocator:

@@ -309,7 +309,7 @@ class RadixCache(BasePrefixCache):
 
     def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
         n = self._kv_len(req)
-        kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, :n].clone()
+        kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, : self._allocated_len(req)].clone()
         start = self._owned_start(req)
         free = self.token_to_kv_pool_allocator.free
         if is_insert:

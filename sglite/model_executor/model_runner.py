@@ -138,8 +138,10 @@ class ModelRunner:
         # SGLang sizes this from GPU memory; on a CPU a few hundred concurrent requests is plenty
         max_reqs = sa.max_running_requests or max(1, min(256, max_total // 2))
         self.max_running_requests = max_reqs
-        # +1 row so a retracted-and-readmitted request always finds a slot
-        self.req_to_token_pool = ReqToTokenPool(max_reqs + 1, self.context_len + 4, self.device)
+        # +1 row so a retracted-and-readmitted request always finds a slot; the overlap
+        # loop holds freed rows back until the forward reading them is done, so twice that
+        rows = (max_reqs + 1) * (1 if sa.disable_overlap_schedule else 2)
+        self.req_to_token_pool = ReqToTokenPool(rows, self.context_len + 4, self.device)
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_total, sa.page_size, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
             max_total, sa.page_size, self.dtype, c.num_key_value_heads, c.head_dim, c.num_hidden_layers, self.device

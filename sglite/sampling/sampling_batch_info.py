@@ -65,6 +65,13 @@ class SamplingBatchInfo:
             info.repetition_penalties = col([p.repetition_penalty for p in params], torch.float32)
         return info
 
+    def cumulate_output_tokens(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Count tokens sampled after this batch was built (the overlap loop's inputs)."""
+        if self.output_token_counts is None or rows.numel() == 0:
+            return
+        self.output_token_counts[rows, token_ids] += 1
+        self.seen_tokens_mask[rows, token_ids] = True
+
     def apply_penalties(self, logits: torch.Tensor) -> torch.Tensor:
         if self.output_token_counts is None:
             return logits

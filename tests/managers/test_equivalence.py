@@ -1,5 +1,5 @@
-"""Scheduling never changes results: every configuration gives each greedy request
-exactly the tokens it gets when run alone."""
+"""Scheduling never changes results: every configuration, in the normal and the overlap
+loop, gives each greedy request exactly the tokens it gets when run alone."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def workload(seed: int = 0) -> tuple[list[list[int]], list[dict]]:
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
     prompts, params = workload()
-    engine = Engine("tiny-random", disable_radix_cache=True, max_total_tokens=1024)
+    engine = Engine("tiny-random", disable_radix_cache=True, max_total_tokens=1024, disable_overlap_schedule=True)
     return [engine.generate(input_ids=p, sampling_params=s)["output_ids"] for p, s in zip(prompts, params)]
 
 
@@ -53,9 +53,11 @@ CONFIGS = {
 MIN_RETRACTIONS = {"retract": 5, "retract-mixed-lpm": 5, "retract-radix-off": 3}
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_same_tokens_as_alone(name, reference):
-    kw = {"max_total_tokens": 4096, "max_running_requests": 64, **CONFIGS[name]}
+def test_same_tokens_as_alone(name, overlap, reference):
+    kw = {"max_total_tokens": 4096, "max_running_requests": 64, **CONFIGS[name],
+          "disable_overlap_schedule": not overlap}
     engine = Engine("tiny-random", **kw)
     prompts, params = workload()
     outs = engine.generate(input_ids=prompts, sampling_params=params)

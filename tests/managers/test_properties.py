@@ -1,6 +1,6 @@
-"""Property tests: random workloads x pool sizes x chunk sizes x policies x aborts.
-Every request finishes or is aborted, no KV page leaks at any step, and the radix
-tree's size accounting holds."""
+"""Property tests: random workloads x pool sizes x chunk sizes x policies x aborts, in
+the normal and the overlap loop. Every request finishes or is aborted, no KV page leaks
+at any step, and the radix tree's size accounting holds."""
 
 from __future__ import annotations
 
@@ -27,13 +27,14 @@ request = st.tuples(
     page_size=st.sampled_from([1, 2, 4]),
     mixed=st.booleans(),
     radix=st.booleans(),
+    overlap=st.booleans(),
 )
-def test_random_workloads_finish_without_leaks(reqs, pool, chunk, policy, page_size, mixed, radix):
+def test_random_workloads_finish_without_leaks(reqs, pool, chunk, policy, page_size, mixed, radix, overlap):
     if chunk != -1 and chunk % page_size:
         chunk = page_size * 2
     engine = Engine("tiny-random", max_total_tokens=pool, chunked_prefill_size=chunk, schedule_policy=policy,
                     page_size=page_size, enable_mixed_chunk=mixed, disable_radix_cache=not radix,
-                    max_running_requests=8, log_level="error")
+                    max_running_requests=8, log_level="error", disable_overlap_schedule=not overlap)
     sched = engine.scheduler
     pending = sorted(range(len(reqs)), key=lambda i: reqs[i][2])
     rids: dict[int, str] = {}

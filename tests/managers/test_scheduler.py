@@ -45,8 +45,9 @@ def run_to_idle(engine: Engine, check_busy: bool = True, max_steps: int = 100_00
 def test_seed_worked_example_r1_r2():
     """Seed 000 §3-§4: R2 reuses a 3-token cached prefix. One prefill round: prefix_lens
     [0, 3], extend_lens [6, 3], seq_lens [6, 6], 9 rows and 9 out_cache_loc slots; the
-    next round decodes 2 rows at positions [6, 6]."""
-    engine = make_engine()
+    next round decodes 2 rows at positions [6, 6]. (event_loop_normal, as in the seed;
+    tests/managers/test_overlap.py follows the same example through the overlap loop.)"""
+    engine = make_engine(disable_overlap_schedule=True)
     forwards = spy_forwards(engine)
     shared = [11, 12, 13]
     warm = engine.generate(input_ids=shared, sampling_params={"max_new_tokens": 1, "temperature": 0})

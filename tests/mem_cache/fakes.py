@@ -17,3 +17,4 @@ class FakeReq:
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: Any = None
     req_pool_idx: int | None = None
+    kv_committed_len: int = 0  # 0: only what _kv_len counts holds a slot

@@ -54,10 +54,29 @@ def test_perfetto_trace_is_valid_and_has_the_tracks():
     tracks = check_valid(trace)
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
     assert {"iterations", "forward"} <= names
-    assert sum(1 for n in names if n.startswith("req ")) == 30  # one track per request
+    # one track per request; in the overlap loop chunk k+1 is planned before chunk k's
+    # result is back, so a chunked request also gets a second lane, "req r3 (2)"
+    assert len({n.split(" (")[0] for n in names if n.startswith("req ")}) == 30
     assert any(e["name"] == "retract" and e["ph"] == "i" for e in trace["traceEvents"])
     assert any(e["name"].startswith("prefill.chunk[") for e in trace["traceEvents"])
-    assert len(tracks[(1, 2)]) == sum(1 for e in events if e.kind == "ForwardFinished")
+    (fwd_tid,) = [e["tid"] for e in trace["traceEvents"]
+                  if e["ph"] == "M" and e["name"] == "thread_name" and e["args"]["name"] == "forward"]
+    assert len(tracks[(1, fwd_tid)]) == sum(1 for e in events if e.kind == "ForwardFinished")
+
+
+def test_overlap_batches_get_a_second_lane():
+    """Overlap loop: batch N's span lasts until its results are processed, after batch
+    N+1 is planned; the two overlap, so the export puts them in two lanes."""
+    events, _ = run_events(max_total_tokens=2048, chunked_prefill_size=32)
+    trace = events_to_chrome_trace(events)
+    check_valid(trace)
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"iterations", "iterations (2)", "forward"} <= names
+    events, _ = run_events(max_total_tokens=2048, chunked_prefill_size=32, disable_overlap_schedule=True)
+    trace = events_to_chrome_trace(events)
+    check_valid(trace)
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert "iterations (2)" not in names and not any(n.endswith("(2)") for n in names)
 
 
 def test_cli_converts_a_recording(tmp_path):
