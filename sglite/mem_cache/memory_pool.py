@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 
@@ -85,7 +87,8 @@ class TokenToKVPoolAllocator:
     def clear(self) -> None:
         num_pages = self.size // self.page_size
         # page p covers slots [p*page_size, (p+1)*page_size); page 0 is the padding page
-        self.free_pages: list[int] = list(range(1, num_pages + 1))
+        # a deque: taking n pages costs O(n), not a copy of the whole free list
+        self.free_pages: deque[int] = deque(range(1, num_pages + 1))
 
     def available_size(self) -> int:
         return len(self.free_pages) * self.page_size
@@ -93,8 +96,7 @@ class TokenToKVPoolAllocator:
     def _take_pages(self, n: int) -> list[int] | None:
         if n > len(self.free_pages):
             return None
-        pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
-        return pages
+        return [self.free_pages.popleft() for _ in range(n)]
 
     def _pages_to_slots(self, pages: list[int]) -> torch.Tensor:
         if not pages:
