@@ -6,11 +6,11 @@ from walkthroughs.core import Narrator, Walkthrough, WalkthroughFailed
 
 
 def registry() -> dict[str, Walkthrough]:
-    from walkthroughs import (chunked_prefill, event_loop, growing_queue, mixed, radix_cache, retract, tracing_walk,
-                              two_requests)
+    from walkthroughs import (chunked_prefill, event_loop, growing_queue, mixed, overlap, radix_cache, retract,
+                              tracing_walk, two_requests)
 
     items = [m.WALKTHROUGH for m in (event_loop, two_requests, chunked_prefill, retract, mixed, radix_cache,
-                                     growing_queue, tracing_walk)]
+                                     growing_queue, tracing_walk, overlap)]
     return {w.name: w for w in items}
 
 
