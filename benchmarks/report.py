@@ -164,7 +164,7 @@ def write_plots(results: dict[str, tuple[Workload, list[Row]]], out_dir: Path, s
             for ax, xs in ((a1, r.ttft_s), (a2, [1e3 * x for x in r.itl_s])):
                 if xs:
                     s = np.sort(xs)
-                    ax.plot(s, np.arange(1, len(s) + 1) / len(s), label=r.label,
+                    ax.step(s, np.arange(1, len(s) + 1) / len(s), where="post", label=r.label,
                             linestyle="-" if r.engine == "sglite" else "--")
         a1.set_xlabel("time to first token (s)")
         a2.set_xlabel("inter-token latency (ms)")

@@ -46,6 +46,14 @@ def _progress(label: str, total: int, every_s: float = 5.0) -> Callable[[int], N
 # --- sglite ---------------------------------------------------------------------------
 
 
+def _warmup_prompt(prompts: list[list[int]]) -> list[int]:
+    """A warm-up prompt whose first token starts no workload prompt, so what it leaves
+    in the prefix cache can never be hit."""
+    firsts = {p[0] for p in prompts if p}
+    start = next(t for t in range(3, 1 << 20) if t not in firsts)
+    return [start] + WARMUP_PROMPT[1:]
+
+
 class _Observer:
     """Engine-event subscriber: token times, prefill tokens computed, cache hits."""
 
@@ -99,9 +107,9 @@ def run_sglite(spec: dict[str, Any], say: Say) -> dict[str, Any]:
     tic = time.perf_counter()
     engine = Engine(spec["model_path"], log_level="error", **spec.get("server_args", {}))
     load_s = time.perf_counter() - tic
-    engine.generate(input_ids=[WARMUP_PROMPT, WARMUP_PROMPT[:20]], sampling_params={"max_new_tokens": 4})
-    engine.scheduler.tree_cache.reset()  # start from an empty cache, as a fresh server would
-    engine.scheduler.token_to_kv_pool_allocator.clear()
+    prompts, output_lens = spec["prompts"], spec["output_lens"]
+    warm = _warmup_prompt(prompts)
+    engine.generate(input_ids=[warm, warm[:20]], sampling_params={"max_new_tokens": 4})
 
     tracer = None
     if spec.get("trace_level"):
@@ -110,7 +118,6 @@ def run_sglite(spec: dict[str, Any], say: Say) -> dict[str, Any]:
         spans = Path(tempfile.mkdtemp(prefix="sglite-bench-")) / "spans.jsonl"
         tracer = setup_tracing(engine.event_bus, spec["trace_level"], jsonl_path=str(spans),
                                model=spec["model_path"])
-    prompts, output_lens = spec["prompts"], spec["output_lens"]
     obs = _Observer(_progress(spec["label"], len(prompts)))
     unsubscribe = engine.event_bus.subscribe(obs)
     params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in output_lens]
@@ -121,6 +128,7 @@ def run_sglite(spec: dict[str, Any], say: Say) -> dict[str, Any]:
     unsubscribe()
     if tracer is not None:
         tracer.shutdown()  # flushing the exporter is not timed, as in tracing_overhead.py
+    engine.shutdown()
     errors = [o["error"] for o in outs if o.get("error")]
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
@@ -142,6 +150,7 @@ def run_sglite(spec: dict[str, Any], say: Say) -> dict[str, Any]:
 def load_transformers_model(model_path: str) -> Any:
     """The same weights as sglite's, in float32: the GGUF through transformers' own
     loader (as tests/test_real_model.py does), or tiny-random's tensors."""
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's progress bar
     import torch
     import transformers
 
@@ -176,13 +185,15 @@ def load_transformers_model(model_path: str) -> Any:
 
 def _greedy_config(model: Any, pad_id: int) -> Any:
     """Greedy, and EOS does not stop a row (sglite's ignore_eos): every request makes
-    exactly its number of tokens."""
+    exactly its number of tokens, and a row that samples EOS goes on generating (in a
+    batch, transformers would pad a finished row instead)."""
     import copy
 
     gc = copy.deepcopy(model.generation_config)
     gc.do_sample, gc.num_beams = False, 1
     gc.temperature = gc.top_p = gc.top_k = None
-    gc.eos_token_id = None
+    # None would be filled back in from the model's config: an id no logit can produce
+    gc.eos_token_id = model.config.vocab_size
     gc.pad_token_id = pad_id
     return gc
 

@@ -1,0 +1,120 @@
+"""`sglite bench` end to end on tiny-random (a few requests, each configuration in its
+own process, transformers on the same tiny weights when installed): the table's
+columns, consistent numbers, the plots. No timing is asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from benchmarks import bench
+from benchmarks.report import COLUMNS, parse_markdown_table, write_plots
+from benchmarks.workloads import build_workload, distinct_prefix_tokens
+from sglite.model_loader import load_model
+
+HAS_TRANSFORMERS = bench.baseline_unavailable() == ""
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    return load_model("tiny-random").tokenizer
+
+
+def test_distinct_prefix_tokens_counts_trie_nodes():
+    assert distinct_prefix_tokens([[1, 2, 3], [1, 2, 4], [5]]) == 5
+    assert distinct_prefix_tokens([[1, 2], [1, 2]]) == 2
+    assert distinct_prefix_tokens([]) == 0
+
+
+def test_full_size_workloads(tiny_tokenizer):
+    sp = build_workload("shared-prefix", tiny_tokenizer, 512, 2048)
+    assert sp.num_requests == 64 and set(sp.output_lens) == {64}
+    assert len({tuple(p) for p in sp.prompts}) == 64  # distinct questions
+    common = next(i for i in range(len(sp.prompts[0])) if len({p[i] for p in sp.prompts}) > 1)
+    assert common >= 300  # the system prompt (and the template around it) is shared
+    assert sp.distinct_prompt_tokens < sp.total_prompt_tokens / 5
+    rl = build_workload("random-lengths", tiny_tokenizer, 512, 2048)
+    assert rl.num_requests == 64 and all(50 <= len(p) <= 500 for p in rl.prompts)
+    assert all(20 <= n <= 200 for n in rl.output_lens)
+    lp = build_workload("long-prompts", tiny_tokenizer, 512, 4096)
+    assert [len(p) > 1000 for p in lp.prompts] == [True, False] * 4
+    with pytest.raises(ValueError, match="context"):
+        build_workload("long-prompts", tiny_tokenizer, 512, 1024)
+
+
+def test_bench_end_to_end_on_tiny_random(tmp_path):
+    argv = ["--model-path", "tiny-random", "--quick", "--workload", "shared-prefix", "--requests", "4",
+            "--ablations", "radix-off,trace-2", "--hf-batch-sizes", "2,4", "--out", str(tmp_path)]
+    if not HAS_TRANSFORMERS:
+        argv.append("--skip-baseline")
+    assert bench.main(argv) == 0
+
+    md = next(tmp_path.glob("bench-quick-shared-prefix-*.md")).read_text()
+    assert md.count("\n| config |") == 1
+    table_text = md[md.index("| config |"):]
+    rows = {r["config"]: r for r in parse_markdown_table(table_text)}
+    assert list(parse_markdown_table(table_text)[0]) == COLUMNS
+    expected = {"sglite", "sglite, radix cache off", "sglite, tracing level 2"}
+    assert expected <= set(rows)
+    if HAS_TRANSFORMERS:
+        assert "transformers" in rows and "shared-prefix: sglite ≥ 3× transformers" in md
+        assert rows["sglite"]["greedy = transformers"] == "4/4"  # tiny-random has no near-ties
+        assert "static batches of" in md
+
+    data = json.loads(next(tmp_path.glob("bench-quick-shared-prefix-*.json")).read_text())
+    wl = data["workloads"]["shared-prefix"]
+    by_label = {r["label"]: r for r in wl["rows"]}
+    assert all(r["ok"] and r["lengths_ok"] for r in wl["rows"])
+    on, off = by_label["sglite"], by_label["sglite, radix cache off"]
+    assert wl["distinct_prompt_tokens"] <= on["prefill_computed"] < wl["total_prompt_tokens"]
+    assert off["prefill_computed"] == wl["total_prompt_tokens"] and off["cache_hit_rate"] == 0
+    assert on["cache_hit_rate"] > 0.5
+    assert by_label["sglite, tracing level 2"]["prefill_computed"] == on["prefill_computed"]
+    for r in wl["rows"]:
+        assert r["output_tok_s"] > 0 and r["total_tok_s"] > r["output_tok_s"]
+        assert 0 < r["ttft_p50"] <= r["ttft_p99"] and 0 <= r["itl_p50_ms"] <= r["itl_p99_ms"]
+        assert r["peak_rss_mb"] > 50
+    if HAS_TRANSFORMERS:
+        hf = by_label["transformers"]
+        assert hf["prefill_computed"] >= wl["total_prompt_tokens"]  # padding is computed too
+        assert hf["details"]["batch_size"] in (2, 4)
+        assert all(r["greedy_matches"] == 4 for r in wl["rows"] if r["engine"] == "sglite")
+
+    if HAS_MATPLOTLIB:
+        assert sorted(data["plots"]) == sorted(p.name for p in tmp_path.glob("*.png"))
+        assert len(data["plots"]) == 2 and all((tmp_path / p).stat().st_size > 1000 for p in data["plots"])
+        assert all(f"]({p})" in md for p in data["plots"])
+
+
+def test_missing_optional_packages_are_explained(monkeypatch, tmp_path):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformers" else real_find_spec(name, *a))
+    assert "transformers" in bench.baseline_unavailable() and "pip install" in bench.baseline_unavailable()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    files, note = write_plots({}, tmp_path, "x")
+    assert files == [] and "matplotlib is not installed" in note
+
+
+def test_ablations_are_a_table_of_overrides():
+    names = [a.name for a in bench.ABLATIONS]
+    assert {"radix-off", "chunked-off", "mixed-chunk", "overlap-off", "trace-1", "trace-2"} <= set(names)
+    with pytest.raises(ValueError, match="unknown ablation"):
+        bench.select_ablations("radix-off,nope")
+    ghost = bench.Ablation("ghost", "sglite, ghost", {"no_such_server_arg": True})
+    assert "no_such_server_arg" in bench.ablation_unavailable(ghost)
+
+
+def test_cli_help_lists_workloads_and_options(capsys):
+    from sglite.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    for word in ("shared-prefix", "random-lengths", "long-prompts", "--quick", "--skip-baseline", "--ablations",
+                 "--requests", "--out", "radix-off", "trace-2"):
+        assert word in out
