@@ -38,7 +38,7 @@ from benchmarks.workloads import WORKLOADS, Workload, build_workload  # noqa: E4
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-HF_BATCH_SIZES = (16, 64)
+HF_BATCH_SIZES = (8, 64)
 HF_BATCH_SIZES_QUICK = (4, 8)
 GOALS = {"shared-prefix": 3.0, "random-lengths": 2.0}  # sglite's output throughput / transformers'
 PREFILL_GOAL = 1.1  # prefill tokens computed / distinct prompt tokens, shared-prefix
@@ -61,7 +61,7 @@ ABLATIONS = [
     Ablation("fcfs", "sglite, fcfs policy", {"schedule_policy": "fcfs"}, workloads=("shared-prefix",)),
     Ablation("chunked-off", "sglite, chunked prefill off", {"chunked_prefill_size": -1}, workloads=("long-prompts",)),
     Ablation("mixed-chunk", "sglite, mixed chunk on", {"enable_mixed_chunk": True}, workloads=("long-prompts",)),
-    Ablation("overlap-off", "sglite, overlap off", {"disable_overlap_schedule": True}),
+    Ablation("overlap-off", "sglite, overlap off", {"disable_overlap_schedule": True}, workloads=("shared-prefix",)),
     Ablation("trace-1", "sglite, tracing level 1", {}, 1, workloads=("shared-prefix",)),
     Ablation("trace-2", "sglite, tracing level 2", {}, 2, workloads=("shared-prefix",)),
 ]
@@ -201,7 +201,8 @@ def run_one(run: Run, model_path: str, threads: int, batch_sizes: list[int], pad
             "batch_sizes": batch_sizes, "pad_id": pad_id}
     spec_path, out_path = tmp / f"spec-{index}.json", tmp / f"result-{index}.json"
     spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+           "TQDM_DISABLE": "1"}  # transformers' GGUF loader draws a progress bar over ours
     proc = subprocess.run([sys.executable, "-m", "benchmarks.runners", str(spec_path), str(out_path)],
                           env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     if out_path.is_file():
@@ -387,7 +388,9 @@ def run(args: argparse.Namespace, prog: str = "python benchmarks/bench.py", argv
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = "-".join(["bench"] + (["quick"] if args.quick else []) +
                     (names if len(names) < len(WORKLOADS) else []) + [datetime.date.today().isoformat()])
-    say(f"sglite bench: model {args.model_path}, {threads} torch threads, {len(runs)} runs")
+    say(f"sglite bench: model {args.model_path}, {threads} torch threads, {len(runs)} runs:")
+    for wl in workloads:
+        say(f"  {wl.name}: " + ", ".join(r.label for r in runs if r.workload is wl))
     for n in plan_notes:
         say(f"note: {n}")
 

@@ -29,18 +29,19 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _progress(label: str, total: int, every_s: float = 5.0) -> Callable[[int], None]:
-    """Print how far a run is: at each tenth of the requests, or every few seconds."""
-    state = {"t0": time.monotonic(), "last": 0.0, "step": -1}
+class Progress:
+    """Prints how far a run is: at most every few seconds, and once at the end."""
 
-    def report(done: int) -> None:
+    def __init__(self, label: str, total_reqs: int, total_tokens: int, every_s: float = 10.0):
+        self.label, self.total_reqs, self.total_tokens, self.every_s = label, total_reqs, total_tokens, every_s
+        self.t0 = self.last = time.monotonic()
+
+    def update(self, reqs_done: int, tokens_done: int, force: bool = False) -> None:
         now = time.monotonic()
-        step = done * 10 // max(total, 1)
-        if done == total or step > state["step"] or now - state["last"] >= every_s:
-            state["step"], state["last"] = step, now
-            print(f"      {label}: {done}/{total} requests finished, {now - state['t0']:.0f} s", file=sys.stderr, flush=True)
-
-    return report
+        if force or now - self.last >= self.every_s:
+            self.last = now
+            print(f"      {self.label}: {tokens_done:,}/{self.total_tokens:,} output tokens, {reqs_done}/"
+                  f"{self.total_reqs} requests finished, {now - self.t0:.0f} s", file=sys.stderr, flush=True)
 
 
 # --- sglite ---------------------------------------------------------------------------
@@ -57,7 +58,7 @@ def _warmup_prompt(prompts: list[list[int]]) -> list[int]:
 class _Observer:
     """Engine-event subscriber: token times, prefill tokens computed, cache hits."""
 
-    def __init__(self, progress: Callable[[int], None]):
+    def __init__(self, progress: Progress):
         from sglite import events as ev
 
         self.ev = ev
@@ -68,8 +69,9 @@ class _Observer:
         self.cache_hit_tokens = 0
         self.retracted = 0
         self.finished = 0
+        self.tokens = 0
         self._chunk_continues: set[str] = set()
-        self._progress = progress
+        self.progress = progress
 
     def __call__(self, e: Any) -> None:
         ev = self.ev
@@ -82,6 +84,8 @@ class _Observer:
             else:  # tokens that arrive together share the gap evenly
                 self.gaps += [(e.ts - prev) / k] * k
             self.last[e.rid] = e.ts
+            self.tokens += k
+            self.progress.update(self.finished, self.tokens)
         elif isinstance(e, ev.ReqAdmitted):
             self.prefill_computed += e.extend_len
             if e.rid not in self._chunk_continues:  # a later chunk's prefix is its own earlier chunk
@@ -95,7 +99,6 @@ class _Observer:
             self._chunk_continues.discard(e.rid)
         elif isinstance(e, ev.ReqFinished):
             self.finished += 1
-            self._progress(self.finished)
 
 
 def run_sglite(spec: dict[str, Any], say: Say) -> dict[str, Any]:
@@ -118,7 +121,7 @@ def run_sglite(spec: dict[str, Any], say: Say) -> dict[str, Any]:
         spans = Path(tempfile.mkdtemp(prefix="sglite-bench-")) / "spans.jsonl"
         tracer = setup_tracing(engine.event_bus, spec["trace_level"], jsonl_path=str(spans),
                                model=spec["model_path"])
-    obs = _Observer(_progress(spec["label"], len(prompts)))
+    obs = _Observer(Progress(spec["label"], len(prompts), sum(output_lens)))
     unsubscribe = engine.event_bus.subscribe(obs)
     params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in output_lens]
     rids = [f"b{i}" for i in range(len(prompts))]
@@ -126,6 +129,7 @@ def run_sglite(spec: dict[str, Any], say: Say) -> dict[str, Any]:
     outs = engine.generate(input_ids=prompts, sampling_params=params, rid=rids)
     wall = time.monotonic() - t0
     unsubscribe()
+    obs.progress.update(obs.finished, obs.tokens, force=True)
     if tracer is not None:
         tracer.shutdown()  # flushing the exporter is not timed, as in tracing_overhead.py
     engine.shutdown()
@@ -150,7 +154,6 @@ def run_sglite(spec: dict[str, Any], say: Say) -> dict[str, Any]:
 def load_transformers_model(model_path: str) -> Any:
     """The same weights as sglite's, in float32: the GGUF through transformers' own
     loader (as tests/test_real_model.py does), or tiny-random's tensors."""
-    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's progress bar
     import torch
     import transformers
 
@@ -202,15 +205,19 @@ class _StepClock:
     """A logits processor that only notes when each step's logits are ready (the token
     is picked right after): one time stamp per generated position."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_step: Callable[[int], None] | None = None) -> None:
         self.stamps: list[float] = []
+        self.on_step = on_step
 
     def __call__(self, input_ids: Any, scores: Any) -> Any:
         self.stamps.append(time.monotonic())
+        if self.on_step is not None:
+            self.on_step(len(self.stamps))
         return scores
 
 
-def _hf_batch(model: Any, gc: Any, prompts: list[list[int]], output_lens: list[int], pad_id: int) -> dict[str, Any]:
+def _hf_batch(model: Any, gc: Any, prompts: list[list[int]], output_lens: list[int], pad_id: int,
+              progress: Progress | None = None, reqs_before: int = 0, tokens_before: int = 0) -> dict[str, Any]:
     """One static batch: left padding, generate up to the longest output, keep each
     request's own length."""
     import torch
@@ -222,7 +229,12 @@ def _hf_batch(model: Any, gc: Any, prompts: list[list[int]], output_lens: list[i
     for r, p in enumerate(prompts):
         ids[r, width - len(p):] = torch.tensor(p)
         mask[r, width - len(p):] = 1
-    clock = _StepClock()
+    def on_step(step: int) -> None:
+        if progress is not None:
+            progress.update(reqs_before + sum(n <= step for n in output_lens),
+                            tokens_before + sum(min(n, step) for n in output_lens))
+
+    clock = _StepClock(on_step)
     steps = max(output_lens)
     gc.max_new_tokens = steps
     t0 = time.monotonic()
@@ -259,7 +271,8 @@ def run_transformers(spec: dict[str, Any], say: Say) -> dict[str, Any]:
     first: dict[int, dict[str, Any]] = {}
     sweep: dict[int, float] = {}
     for b in sizes:  # each candidate's first batch; the best one's is reused below
-        res = _hf_batch(model, gc, prompts[:b], output_lens[:b], pad_id)
+        trial = Progress(f"{spec['label']}, first batch of {b}", b, sum(output_lens[:b]))
+        res = _hf_batch(model, gc, prompts[:b], output_lens[:b], pad_id, trial)
         first[b] = res
         sweep[b] = res["useful_tokens"] / res["dur"]
         if len(sizes) > 1:
@@ -267,11 +280,11 @@ def run_transformers(spec: dict[str, Any], say: Say) -> dict[str, Any]:
                 f"({res['dur']:.0f} s)")
     best = max(sizes, key=lambda b: sweep[b])
     batches = [first[best]]
-    report = _progress(spec["label"], n)
-    report(best)
+    progress = Progress(f"{spec['label']}, batches of {best}", n, sum(output_lens))
     for start in range(best, n, best):
-        batches.append(_hf_batch(model, gc, prompts[start:start + best], output_lens[start:start + best], pad_id))
-        report(min(start + best, n))
+        batches.append(_hf_batch(model, gc, prompts[start:start + best], output_lens[start:start + best], pad_id,
+                                 progress, start, sum(output_lens[:start])))
+    progress.update(n, sum(output_lens), force=True)
     output_ids, ttft, gaps = [], [], []
     offset = 0.0  # static batches run one after the other
     for res in batches:
@@ -315,7 +328,7 @@ def run_llama_cpp(spec: dict[str, Any], say: Say) -> dict[str, Any]:
         return toks, stamps
 
     one(WARMUP_PROMPT, 4)
-    report = _progress(spec["label"], len(prompts))
+    progress = Progress(spec["label"], len(prompts), sum(output_lens))
     output_ids, ttft, gaps = [], [], []
     t0 = time.monotonic()
     for i, (p, n) in enumerate(zip(prompts, output_lens)):
@@ -323,7 +336,7 @@ def run_llama_cpp(spec: dict[str, Any], say: Say) -> dict[str, Any]:
         output_ids.append(toks)
         ttft.append(stamps[0] - t0)
         gaps += [b - a for a, b in zip(stamps, stamps[1:])]
-        report(i + 1)
+        progress.update(i + 1, sum(output_lens[: i + 1]), force=i + 1 == len(prompts))
     return {"wall_s": time.monotonic() - t0, "load_s": load_s, "output_ids": output_ids, "ttft_s": ttft,
             "itl_s": gaps, "prefill_computed": None, "cache_hit_tokens": None,
             "details": {"weights": "GGUF as stored (quantized)"}}
