@@ -46,23 +46,25 @@ PREFILL_GOAL = 1.1  # prefill tokens computed / distinct prompt tokens, shared-p
 
 @dataclass(frozen=True)
 class Ablation:
-    """One sglite variant: server-argument overrides (and a tracing level). ``workloads``
-    are where it runs by default (``--ablations all`` runs it everywhere)."""
+    """One sglite variant: server-argument overrides (and a tracing level). A default
+    ablation runs in a plain ``sglite bench`` on ``workloads``; one named with
+    ``--ablations`` runs on every selected workload."""
 
     name: str
     label: str
     server_args: dict[str, Any]
     trace_level: int = 0
     workloads: tuple[str, ...] = tuple(WORKLOADS)
+    default: bool = True
 
 
 ABLATIONS = [
     Ablation("radix-off", "sglite, radix cache off", {"disable_radix_cache": True}, workloads=("shared-prefix",)),
-    Ablation("fcfs", "sglite, fcfs policy", {"schedule_policy": "fcfs"}, workloads=("shared-prefix",)),
+    Ablation("fcfs", "sglite, fcfs policy", {"schedule_policy": "fcfs"}, workloads=("shared-prefix",), default=False),
     Ablation("chunked-off", "sglite, chunked prefill off", {"chunked_prefill_size": -1}, workloads=("long-prompts",)),
     Ablation("mixed-chunk", "sglite, mixed chunk on", {"enable_mixed_chunk": True}, workloads=("long-prompts",)),
     Ablation("overlap-off", "sglite, overlap off", {"disable_overlap_schedule": True}, workloads=("shared-prefix",)),
-    Ablation("trace-1", "sglite, tracing level 1", {}, 1, workloads=("shared-prefix",)),
+    Ablation("trace-1", "sglite, tracing level 1", {}, 1, workloads=("shared-prefix",), default=False),
     Ablation("trace-2", "sglite, tracing level 2", {}, 2, workloads=("shared-prefix",)),
 ]
 
@@ -82,10 +84,12 @@ class Run:
 def epilog() -> str:
     lines = ["workloads:"]
     lines += [f"  {w.name:<16}{w.help}" for w in WORKLOADS.values()]
-    lines += ["", "ablations (sglite variants; --ablations default runs each on the workloads listed):"]
+    lines += ["", "ablations (sglite variants; a plain run has those marked default, each on the workloads listed;",
+              "one named in --ablations runs on every selected workload):"]
     for a in ABLATIONS:
         what = ", ".join(f"{k}={v}" for k, v in a.server_args.items()) or f"spans to a JSONL file at level {a.trace_level}"
-        lines.append(f"  {a.name:<16}{what}  [{', '.join(a.workloads)}]")
+        where = f"default: {', '.join(a.workloads)}" if a.default else "not in the default run"
+        lines.append(f"  {a.name:<16}{what}  [{where}]")
     lines += ["", "Results: benchmarks/results/bench-DATE.md (+ .json, -throughput.png, -latency-WORKLOAD.png).",
               "See docs/benchmarks.md for what each number means."]
     return "\n".join(lines)
@@ -101,7 +105,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, metavar="DIR", help=f"where results go (default: {RESULTS_DIR})")
     p.add_argument("--skip-baseline", action="store_true", help="run sglite only (no transformers, no llama.cpp)")
     p.add_argument("--ablations", default="default", metavar="LIST",
-                   help="'default' (each ablation on its workloads), 'all', 'none', or names: radix-off,trace-2,...")
+                   help="'default', 'all' (every ablation on every workload), 'none', or a comma list of names, "
+                        "which may include 'default': radix-off,trace-1 or default,trace-1")
     p.add_argument("--hf-batch-sizes", default=None, metavar="LIST",
                    help=f"static batch sizes transformers tries; the best is reported (default: "
                         f"{','.join(map(str, HF_BATCH_SIZES))}; --quick: {','.join(map(str, HF_BATCH_SIZES_QUICK))})")
@@ -124,17 +129,18 @@ def say(msg: str) -> None:
 # --- planning -------------------------------------------------------------------------
 
 
-def select_ablations(spec: str) -> list[Ablation]:
-    if spec in ("default", "all"):
-        return list(ABLATIONS)
-    if spec == "none":
-        return []
-    names = [s.strip() for s in spec.split(",") if s.strip()]
-    known = {a.name: a for a in ABLATIONS}
-    unknown = [n for n in names if n not in known]
+def select_ablations(spec: str) -> dict[str, str]:
+    """Ablation name -> where it runs: 'own' (its default workloads) or 'every' workload."""
+    tokens = [t.strip() for t in spec.split(",") if t.strip()]
+    known = {a.name for a in ABLATIONS}
+    unknown = [t for t in tokens if t not in known | {"default", "all", "none"}]
     if unknown:
-        raise ValueError(f"unknown ablation(s) {', '.join(unknown)}; known: {', '.join(known)}")
-    return [known[n] for n in names]
+        raise ValueError(f"unknown ablation(s) {', '.join(unknown)}; known: {', '.join(known)}, default, all, none")
+    if "all" in tokens:
+        return {a.name: "every" for a in ABLATIONS}
+    chosen = {a.name: "own" for a in ABLATIONS if a.default} if "default" in tokens else {}
+    chosen.update({t: "every" for t in tokens if t in known})
+    return chosen
 
 
 def ablation_unavailable(a: Ablation) -> str:
@@ -150,10 +156,11 @@ def ablation_unavailable(a: Ablation) -> str:
     return ""
 
 
-def plan(workloads: list[Workload], ablations: list[Ablation], every_workload: bool, baseline: bool,
+def plan(workloads: list[Workload], chosen: dict[str, str], baseline: bool,
          llama_cpp: bool) -> tuple[list[Run], list[str]]:
     runs: list[Run] = []
     notes: list[str] = []
+    ablations = [a for a in ABLATIONS if a.name in chosen]
     for a in ablations:
         why = ablation_unavailable(a)
         if why:
@@ -162,7 +169,7 @@ def plan(workloads: list[Workload], ablations: list[Ablation], every_workload: b
         base = {"max_total_tokens": wl.pool_tokens(), **wl.server_args}
         runs.append(Run(wl, "sglite", "sglite", base))
         for a in ablations:
-            if ablation_unavailable(a) or not (every_workload or wl.name in a.workloads):
+            if ablation_unavailable(a) or not (chosen[a.name] == "every" or wl.name in a.workloads):
                 continue
             args = {**base, **a.server_args}
             if _effective(args) == _effective(base) and not a.trace_level:
@@ -353,7 +360,7 @@ def run(args: argparse.Namespace, prog: str = "python benchmarks/bench.py", argv
 
     tic = time.monotonic()
     names = list(WORKLOADS) if not args.workload or "all" in args.workload else list(dict.fromkeys(args.workload))
-    ablations = select_ablations(args.ablations)
+    chosen = select_ablations(args.ablations)
     threads = args.threads or torch.get_num_threads()
     sizes = [int(b) for b in args.hf_batch_sizes.split(",")] if args.hf_batch_sizes else list(
         HF_BATCH_SIZES_QUICK if args.quick else HF_BATCH_SIZES)
@@ -380,7 +387,7 @@ def run(args: argparse.Namespace, prog: str = "python benchmarks/bench.py", argv
         return 1
     workloads = [build_workload(n, tok, cfg.vocab_size, cfg.context_len, args.requests, args.quick, args.seed)
                  for n in names]
-    runs, plan_notes = plan(workloads, ablations, args.ablations == "all", baseline, llama_cpp)
+    runs, plan_notes = plan(workloads, chosen, baseline, llama_cpp)
     notes += plan_notes
     pad_id = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
 

@@ -229,19 +229,19 @@ def _shared(tok: TokenizerLike, vocab: int, n: int | None, quick: bool, seed: in
 def _random(tok: TokenizerLike, vocab: int, n: int | None, quick: bool, seed: int) -> Workload:
     if quick:
         return random_lengths(tok, vocab, n or 8, (50, 200), (8, 32), seed)
-    return random_lengths(tok, vocab, n or 64, (50, 500), (20, 200), seed)
+    return random_lengths(tok, vocab, n or 32, (50, 500), (20, 200), seed)
 
 
 def _long(tok: TokenizerLike, vocab: int, n: int | None, quick: bool, seed: int) -> Workload:
     if quick:
         return long_prompts(tok, vocab, n or 4, (512, 768), 8, (32, 96), 16, seed)
-    return long_prompts(tok, vocab, n or 8, (1024, 2048), 32, (32, 96), 64, seed)
+    return long_prompts(tok, vocab, n or 6, (1024, 2048), 32, (32, 96), 64, seed)
 
 
 WORKLOADS: dict[str, WorkloadSpec] = {w.name: w for w in [
     WorkloadSpec("shared-prefix", "64 chats sharing a 300-token system prompt, 64 new tokens each", _shared),
-    WorkloadSpec("random-lengths", "64 requests, random inputs 50-500 and outputs 20-200 tokens", _random),
-    WorkloadSpec("long-prompts", "4 documents of 1024-2048 tokens interleaved with 4 short chats", _long),
+    WorkloadSpec("random-lengths", "32 requests, random inputs 50-500 and outputs 20-200 tokens", _random),
+    WorkloadSpec("long-prompts", "3 documents of 1024-2048 tokens interleaved with 3 short chats", _long),
 ]}
 
 

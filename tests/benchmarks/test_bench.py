@@ -38,10 +38,10 @@ def test_full_size_workloads(tiny_tokenizer):
     assert common >= 300  # the system prompt (and the template around it) is shared
     assert sp.distinct_prompt_tokens < sp.total_prompt_tokens / 5
     rl = build_workload("random-lengths", tiny_tokenizer, 512, 2048)
-    assert rl.num_requests == 64 and all(50 <= len(p) <= 500 for p in rl.prompts)
+    assert rl.num_requests == 32 and all(50 <= len(p) <= 500 for p in rl.prompts)
     assert all(20 <= n <= 200 for n in rl.output_lens)
     lp = build_workload("long-prompts", tiny_tokenizer, 512, 4096)
-    assert [len(p) > 1000 for p in lp.prompts] == [True, False] * 4
+    assert [len(p) > 1000 for p in lp.prompts] == [True, False] * 3
     with pytest.raises(ValueError, match="context"):
         build_workload("long-prompts", tiny_tokenizer, 512, 1024)
 
@@ -105,6 +105,10 @@ def test_ablations_are_a_table_of_overrides():
     assert {"radix-off", "chunked-off", "mixed-chunk", "overlap-off", "trace-1", "trace-2"} <= set(names)
     with pytest.raises(ValueError, match="unknown ablation"):
         bench.select_ablations("radix-off,nope")
+    default = bench.select_ablations("default")
+    assert "radix-off" in default and "trace-1" not in default and set(default.values()) == {"own"}
+    assert bench.select_ablations("default,trace-1")["trace-1"] == "every"
+    assert bench.select_ablations("none") == {} and len(bench.select_ablations("all")) == len(names)
     ghost = bench.Ablation("ghost", "sglite, ghost", {"no_such_server_arg": True})
     assert "no_such_server_arg" in bench.ablation_unavailable(ghost)
 
