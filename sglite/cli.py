@@ -40,7 +40,7 @@ def attach_viewers(engine: Any, args: argparse.Namespace) -> Callable[[], None]:
     closers: list[Callable[[], None]] = []
     if getattr(args, "record", None):
         rec = EventRecorder(args.record)
-        unsubscribe = engine.event_bus.subscribe(rec)
+        unsubscribe = engine.event_bus.subscribe(rec, snapshots=True)  # `sglite tui --replay` shows state
         closers += [rec.close, unsubscribe]
     for plugin in plugins():
         if hasattr(plugin, "attach"):

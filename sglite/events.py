@@ -51,8 +51,13 @@ def event_from_dict(d: dict[str, Any]) -> Event:
     d = dict(d)
     cls = EVENT_TYPES[d.pop("kind")]
     names = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in names}
+    kwargs = {k: _tuples(v) for k, v in d.items() if k in names}
     return cls(**kwargs)
+
+
+def _tuples(v: Any) -> Any:
+    """JSON arrays back into the tuples the events hold (nested ones too)."""
+    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
 
 
 def load_events(path: str) -> Iterator[Event]:
@@ -66,19 +71,30 @@ def load_events(path: str) -> Iterator[Event]:
 class EventBus:
     def __init__(self) -> None:
         self._subscribers: list[Subscriber] = []
+        self._snapshot_subscribers: list[Subscriber] = []
         self.active = False
+        self.wants_snapshots = False  # build a SchedulerSnapshot each iteration
         self.iteration = 0
 
-    def subscribe(self, fn: Subscriber) -> Callable[[], None]:
+    def subscribe(self, fn: Subscriber, snapshots: bool = False) -> Callable[[], None]:
+        """``snapshots``: this subscriber shows state (the TUI, a recording to replay),
+        so the scheduler also emits a SchedulerSnapshot after every iteration."""
         self._subscribers.append(fn)
-        self.active = True
+        if snapshots:
+            self._snapshot_subscribers.append(fn)
+        self._update()
 
         def unsubscribe() -> None:
-            if fn in self._subscribers:
-                self._subscribers.remove(fn)
-            self.active = bool(self._subscribers)
+            for group in (self._subscribers, self._snapshot_subscribers):
+                if fn in group:
+                    group.remove(fn)
+            self._update()
 
         return unsubscribe
+
+    def _update(self) -> None:
+        self.active = bool(self._subscribers)
+        self.wants_snapshots = bool(self._snapshot_subscribers)
 
     def emit(self, event_cls: type["Event"], **fields: Any) -> None:
         """``iteration`` defaults to the current one; ``ts`` to now."""
@@ -243,6 +259,26 @@ class CacheInserted(Event):
 class CacheEvicted(Event):
     num_tokens: int = 0
     num_nodes: int = 0
+
+
+@dataclass(frozen=True)
+class SchedulerSnapshot(Event):
+    """What the scheduler holds after an iteration, for viewers that show state rather
+    than changes (the TUI, a recording to replay). Emitted just before
+    IterationFinished, only when a subscriber asked for it."""
+
+    waiting: tuple[tuple[str, int, int], ...] = ()  # (rid, prompt tokens, cached prefix matched), queue order
+    running: tuple[tuple[str, int, int, int], ...] = ()  # (rid, seq_len, output tokens, max_new_tokens)
+    chunked_rid: str = ""
+    pool_total: int = 0
+    pool_free: int = 0
+    pool_evictable: int = 0
+    # radix tree nodes (id, parent id or -1, key_len, first tokens, lock_ref, access order,
+    # hit_count); None when unchanged since the previous snapshot
+    tree: tuple[tuple[int, int, int, tuple[int, ...], int, int, int], ...] | None = None
+    matched_node: int = 0  # where the last prefix match ended (its path is highlighted)
+    policy: str = ""
+    overlap: bool = False
 
 
 @dataclass(frozen=True)

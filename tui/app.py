@@ -1,239 +1,351 @@
-"""The live scheduler in a terminal (Textual). The engine runs in a worker thread; after
-each iteration it hands the screen a ``View`` (tui/state.py)."""
+"""The live scheduler in a terminal (Textual).
+
+The screen only ever sees Views (tui/state.py) built from the engine's events: live, the
+events come from the engine host (tui/host.py, its own process under ``sglite tui``);
+in a replay, from a recording. Either way the same builder makes the same panels.
+"""
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import Any
 
+from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Grid
-from textual.widgets import DataTable, Footer, Header, Input, RichLog, Static, Tree
+from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.coordinate import Coordinate
+from textual.widgets import DataTable, Footer, Header, Input, RichLog, Sparkline, Static, Tree
 
-from sglite import events as ev
-from sglite.managers.schedule_policy import SchedulePolicy
 from sglite.server_args import SCHEDULE_POLICIES
-from tui.state import View, take
-from tui.workloads import Workload
+from tui.state import ReqInfo, View, ViewBuilder
 
-UI_MIN_INTERVAL = 0.05  # at most 20 screen updates per second
+UI_INTERVAL = 0.05  # seconds between looks for a new view: at most 20 updates a second
+REPLAY_SPEED = 10  # iterations a second while a replay plays
 
 
-class EngineWorker:
-    """Steps the engine on its own thread; pausing and single steps for the UI."""
+class LiveFeed:
+    """Messages from the engine host, folded into Views; the screen draws the latest."""
 
-    def __init__(self, engine: Any, workload: Workload, on_view: Any, paused: bool = False,
-                 clock: Any = time.perf_counter):
-        self.engine = engine
-        self.pending = sorted(workload.arrivals, key=lambda a: a.at)
-        self.on_view = on_view
-        self.run_flag = threading.Event()
-        if not paused:
-            self.run_flag.set()
-        self.step_once = threading.Event()
-        self.stop = threading.Event()
-        self.log: list[str] = []
-        self._last_stop = ""  # log why admission stops only when the reason changes
-        self.lock = threading.Lock()
-        self.finished = 0
-        self.tokens = 0
-        self.queued_at: dict[str, int] = {}
-        self.clock = clock  # tests pass a deterministic one
-        self._tic = clock()
-        engine.event_bus.subscribe(self._on_event)
-        self.thread = threading.Thread(target=self._loop, daemon=True, name="sglite-engine")
+    def __init__(self, connection: Any, info: dict[str, Any]):
+        self.connection = connection
+        self.info = info
+        self.builder = ViewBuilder()
+        self.latest: View | None = None
+        self.error: str | None = None
 
-    def _on_event(self, e: ev.Event) -> None:
-        line = None
-        if isinstance(e, ev.ReqArrived):
-            self.queued_at[e.rid] = e.iteration
-        if isinstance(e, ev.ReqRetracted):
-            self.queued_at[e.rid] = e.iteration
-            line = (f"[red]retract[/] {e.rid} at {e.output_tokens} tok, "
-                    f"new_token_ratio {e.old_new_token_ratio:.3f}->{e.new_token_ratio:.3f}")
-        elif isinstance(e, ev.CacheEvicted):
-            line = f"[yellow]evict[/] {e.num_tokens} tok, {e.num_nodes} nodes"
-        elif isinstance(e, ev.ReqChunked):
-            line = f"[cyan]chunk[/] {e.rid} #{e.chunk_index} {e.computed_len}/{e.total_len}"
-        elif isinstance(e, ev.ReqAdmitted) and e.prefix_len:
-            line = f"[green]hit[/] {e.rid} {e.prefix_len} cached +{e.extend_len}"
-        elif isinstance(e, ev.ReqFinished):
-            self.finished += 1
-            line = f"done {e.rid} {e.reason} {e.completion_tokens} tok"
-        elif isinstance(e, ev.ReqAborted):
-            line = f"[red]abort[/] {e.rid}: {e.reason}"
-        elif isinstance(e, ev.AdmissionStopped):
-            reason = e.reason if e.waiting else ""
-            if reason != self._last_stop and reason not in ("", "EMPTY_QUEUE"):
-                line = f"admission stops: {reason}, {e.waiting} waiting"
-            self._last_stop = reason
-        elif isinstance(e, ev.TokensEmitted):
-            self.tokens += len(e.token_ids)
-        if line is not None:
-            self.log.append(f"{e.iteration:>5} {line}")
+    def pump(self) -> View | None:
+        """Apply everything the engine sent since the last call; the newest View."""
+        new = None
+        for kind, payload in self.connection.drain():
+            if kind == "events":
+                for e in payload:
+                    view = self.builder.apply(e)
+                    if view is not None:
+                        new = view
+            elif kind == "log":
+                self.builder.add_log("", payload)
+            elif kind == "error":
+                self.error = payload
+                self.builder.add_log("", f"[red]engine error[/] {payload.splitlines()[-1]}")
+        if new is not None:
+            self.latest = new
+        elif self.builder.log and self.latest is not None and len(self.builder.log) != self.latest.log_total:
+            # a log line without an iteration (a submit, a policy change): show it now
+            self.latest.log, self.latest.log_total = self.builder.log[-200:], len(self.builder.log)
+            new = self.latest
+        return new
 
-    def submit_arrivals(self) -> None:
-        it = self.engine.scheduler.iteration
-        while self.pending and self.pending[0].at <= it:
-            a = self.pending.pop(0)
-            self.engine.submit(a.prompt, input_ids=a.input_ids, messages=a.messages,
-                               sampling_params={"max_new_tokens": a.max_new_tokens, "temperature": 0,
-                                                "ignore_eos": a.ignore_eos})
 
-    def view(self) -> View:
-        elapsed = max(self.clock() - self._tic, 1e-9)
-        return take(self.engine, self.log, self.tokens / elapsed, self.finished, self.queued_at)
+def _set_rows(table: DataTable, rows: list[tuple]) -> None:
+    """Show ``rows``, touching only what changed: clearing a table makes Textual lay out
+    and render every line again, which is most of what a frame costs."""
+    old = [tuple(table.get_row_at(i)) for i in range(table.row_count)]
+    rows = [tuple(r) for r in rows]
+    if [r[0] for r in old] != [r[0] for r in rows]:  # requests came, went or moved
+        table.clear()
+        table.add_rows(rows)
+        return
+    for i, (before, after) in enumerate(zip(old, rows)):
+        for j, (a, b) in enumerate(zip(before, after)):
+            if a != b:
+                table.update_cell_at(Coordinate(i, j), b)
 
-    def step(self) -> View:
-        with self.lock:
-            self.submit_arrivals()
-            self.engine.step()
-            return self.view()
 
-    def _loop(self) -> None:
-        while not self.stop.is_set():
-            if not self.run_flag.is_set() and not self.step_once.wait(0.05):
-                continue
-            single = self.step_once.is_set()
-            self.step_once.clear()
-            if not self.engine.scheduler.has_work() and not self.pending and not single:
-                time.sleep(0.05)
-                continue
-            self.on_view(self.step())
+class DetailScreen(ModalScreen):
+    """One request: its stages so far and its text (live, or as of the replayed iteration)."""
 
-    def start(self) -> None:
-        self.thread.start()
+    BINDINGS = [Binding("escape,d,enter", "dismiss", "close")]
+    CSS = """
+    DetailScreen { align: center middle; }
+    #detail { width: 90%; height: 90%; border: round $accent; background: $surface; padding: 0 1; }
+    """
+
+    def __init__(self, rid: str):
+        super().__init__()
+        self.rid = rid
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="detail"):
+            yield Static(id="detail-body")
+
+    def on_mount(self) -> None:
+        self.query_one("#detail", VerticalScroll).border_title = f"request {self.rid} (Esc closes)"
+
+    def show(self, req: ReqInfo | None, view: View) -> None:
+        body = self.query_one("#detail-body", Static)
+        if req is None:
+            body.update(f"no events for {self.rid} yet")
+            return
+        state = _state_of(self.rid, view)
+        lines = [f"[b]{self.rid}[/]  {state}  prompt {req.prompt_tokens} tokens, "
+                 f"output {req.tokens_at(view.iteration)}/{req.max_new_tokens}", "", "[b]stages[/]"]
+        lines += [f"  iter {it:>5}  {what}" for it, what in req.timeline_at(view.iteration)]
+        body.update(Text.from_markup("\n".join(lines) + "\n\n").append("text so far\n", style="bold")
+                    .append(req.text_at(view.iteration) or "(none yet)"))
+
+
+def _state_of(rid: str, view: View) -> str:
+    if any(r[0] == rid for r in view.running):
+        return "running"
+    if any(r[0] == rid for r in view.waiting):
+        return "waiting"
+    return "chunked" if view.chunked_rid == rid else "not queued"
 
 
 class SchedulerApp(App):
     TITLE = "sglite"
     CSS = """
-    Grid { grid-size: 3 2; grid-rows: 1fr 1fr; }
-    DataTable, Tree, RichLog, #pool { border: round $accent; height: 1fr; }
+    Grid { grid-size: 3 2; grid-rows: 1fr 1fr; grid-columns: 1fr 0.8fr 1.2fr; }
+    DataTable, Tree, RichLog, #poolbox { border: round $accent; height: 1fr; }
+    #pool { height: auto; text-wrap: nowrap; text-overflow: ellipsis; }
+    .spark { height: 1; }
+    .spark Static { width: 7; }
+    Sparkline { width: 1fr; height: 1; }
     #prompt { dock: bottom; display: none; }
     """
     BINDINGS = [
         Binding("space", "toggle_pause", "pause/run"),
-        Binding("n", "step", "step"),
+        Binding("n,right", "step", "step"),
+        Binding("b,left", "back", "back"),
+        Binding("home", "first", "first", show=False),
+        Binding("end", "last", "last", show=False),
         Binding("a", "add_prompt", "add prompt"),
+        Binding("w", "add_workload", "workload"),
         Binding("p", "next_policy", "policy"),
+        Binding("s", "select_next", "select"),
+        Binding("d", "detail", "detail"),
         Binding("q", "quit", "quit"),
     ]
+    LIVE_ONLY = {"add_prompt", "add_workload", "next_policy"}
+    REPLAY_ONLY = {"back", "first", "last"}
 
-    def __init__(self, engine: Any, workload: Workload, paused: bool = False, start_worker: bool = True,
-                 clock: Any = time.perf_counter):
+    def __init__(self, feed: LiveFeed | None = None, views: list[View] | None = None,
+                 builder: ViewBuilder | None = None, title: str = "", paused: bool = False):
+        """Live: a LiveFeed. Replay: the recording's Views and the builder that made them."""
         super().__init__()
-        self.engine = engine
-        self.workload = workload
-        self.worker = EngineWorker(engine, workload, self._post_view, paused, clock)
-        self.start_worker = start_worker
+        self.feed = feed
+        self.views = views or []
+        self.replay_builder = builder
+        self.subtitle_base = title
+        self.paused = paused if feed is not None else True
+        self.index = 0  # replay: the View shown
         self.last_view: View | None = None
-        self.latest: View | None = None  # set by the engine thread, drawn by a UI timer
+        self.selected: str | None = None
         self.updates = 0
         self._log_shown = 0
-        self._tree_key: list | None = None
+        self._tree_key: Any = None
+        self._input_mode = "prompt"
+        self._ticks = 0
+
+    @property
+    def replay(self) -> bool:
+        return self.feed is None
+
+    @property
+    def requests(self) -> dict[str, ReqInfo]:
+        return self.feed.builder.requests if self.feed is not None else self.replay_builder.requests
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        if action in self.LIVE_ONLY and self.replay:
+            return False
+        if action in self.REPLAY_ONLY and not self.replay:
+            return False
+        return True
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
         with Grid():
-            yield DataTable(id="waiting", zebra_stripes=True)
-            yield DataTable(id="running", zebra_stripes=True)
-            yield DataTable(id="plan", zebra_stripes=True)
-            yield Static(id="pool")
+            yield DataTable(id="waiting", zebra_stripes=True, cursor_type="row")
+            yield DataTable(id="running", zebra_stripes=True, cursor_type="row")
+            yield DataTable(id="plan", zebra_stripes=True, cursor_type="row")
+            with Vertical(id="poolbox"):
+                yield Static(id="pool")
+                with Horizontal(classes="spark"):
+                    yield Static("hit")
+                    yield Sparkline([], id="hit")
+                with Horizontal(classes="spark"):
+                    yield Static("tok/s")
+                    yield Sparkline([], id="tput")
             yield Tree("root", id="tree")
             yield RichLog(id="log", markup=True, wrap=False, max_lines=500)
-        yield Input(placeholder="prompt, then Enter (Esc to cancel)", id="prompt", disabled=True)
+        yield Input(id="prompt", disabled=True)
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one("#waiting", DataTable).border_title = "waiting_queue"
-        self.query_one("#running", DataTable).border_title = "running_batch"
-        self.query_one("#plan", DataTable).border_title = "this round"
-        self.query_one("#pool", Static).border_title = "KV pool"
-        self.query_one("#tree", Tree).border_title = "radix tree"
-        self.query_one("#log", RichLog).border_title = "events"
+        for wid, title in (("waiting", "waiting_queue"), ("running", "running_batch"), ("plan", "this round"),
+                           ("poolbox", "KV pool"), ("tree", "radix tree"), ("log", "events")):
+            self.query_one(f"#{wid}").border_title = title
         # short headers so the columns fit at 80x24 (the border titles name the panels)
-        for tid, cols in (("waiting", ("rid", "len", "cached", "waited")),
+        for tid, cols in (("waiting", ("rid", "len", "cached", "wait")),
                           ("running", ("rid", "seq", "out/max")),
                           ("plan", ("rid", "pre", "ext", "seq", "loc"))):
             self.query_one(f"#{tid}", DataTable).add_columns(*cols)
-        self.sub_title = f"{self.engine.server_args.model_path} · workload {self.workload.name}"
-        self.render_view(self.worker.view())
-        # the engine never waits for the screen: it leaves its latest view here and the
-        # UI draws whatever is newest, at most 20 times a second
-        self.set_interval(UI_MIN_INTERVAL, self._draw_latest)
-        if self.start_worker:
-            self.worker.start()
+        self.sub_title = self.subtitle_base
+        if self.replay and self.views:
+            self.render_view(self.views[0])
+        self.set_interval(UI_INTERVAL, self._tick)
 
-    def _post_view(self, view: View) -> None:
-        self.latest = view
+    # --- drawing --------------------------------------------------------------------
 
-    def _draw_latest(self) -> None:
-        view, self.latest = self.latest, None
+    def _tick(self) -> None:
+        if self.replay:
+            self._ticks += 1
+            step = max(1, round(1 / (UI_INTERVAL * REPLAY_SPEED)))
+            if not self.paused and self._ticks % step == 0 and self.index < len(self.views) - 1:
+                self.show_index(self.index + 1)
+            return
+        view = self.feed.pump()
         if view is not None:
             self.render_view(view)
+
+    def show_index(self, i: int) -> None:
+        if self.views:
+            self.index = max(0, min(i, len(self.views) - 1))
+            self.render_view(self.views[self.index])
 
     def render_view(self, v: View) -> None:
         self.last_view = v
         self.updates += 1
         for tid, rows in (("waiting", v.waiting), ("running", v.running), ("plan", v.plan)):
             t = self.query_one(f"#{tid}", DataTable)
-            t.clear()
-            t.add_rows(rows)
-        self.query_one("#plan", DataTable).border_title = f"this round: {v.forward_mode}, {v.plan_rows} rows"
+            _set_rows(t, rows)
+            if self.selected is not None:
+                row = next((i for i, r in enumerate(rows) if r[0] == self.selected), None)
+                if row is not None:
+                    t.move_cursor(row=row, animate=False)
+        plan = self.query_one("#plan", DataTable)
+        wide = plan.size.width >= 40
+        if not v.bid:
+            plan.border_title = "this round: idle"
+        else:
+            plan.border_title = (f"this round #{v.bid}: {v.forward_mode}, {v.plan_rows} rows" if wide
+                                 else f"#{v.bid} {v.forward_mode} {v.plan_rows} rows")
+        # the overlap loop: which batch runs now, whose results this iteration processed
+        flight = []
+        if v.overlap and v.bid:
+            flight.append(f"#{v.bid} in flight" if wide else f"#{v.bid} running")
+        if v.overlap and v.processed_bid:
+            flight.append(f"#{v.processed_bid} processed" if wide else f"#{v.processed_bid} done")
+        plan.border_subtitle = ", ".join(flight)
+        self._render_pool(v)
+        self._render_tree(v)
+        self._render_log(v)
+        state = "replay" if self.replay else ("paused" if self.paused else "running")
+        where = f" {self.index + 1}/{len(self.views)}" if self.replay else ""
+        loop = " · overlap loop" if v.overlap else " · normal loop" if v.has_snapshots else ""
+        # most important first: a narrow terminal cuts the end
+        self.sub_title = f"{state}{where} · iter {v.iteration}{loop} · {self.subtitle_base}"
+        if isinstance(self.screen, DetailScreen):
+            self.screen.show(self.requests.get(self.screen.rid), v)
+
+    def _render_pool(self, v: View) -> None:
+        pool = self.query_one("#pool", Static)
+        if not v.has_snapshots:
+            pool.update("this recording has no scheduler snapshots:\nrecord with --record to see the queues,"
+                        " the pool and the tree")
+            return
         used = v.pool_total - v.pool_free - v.pool_evictable
-        width = max(10, min(40, self.query_one("#pool", Static).size.width - 1))
+        width = max(10, min(40, pool.size.width - 1))
         bar_used = round(width * used / max(v.pool_total, 1))
         bar_cache = round(width * v.pool_evictable / max(v.pool_total, 1))
         bar = "[red]" + "█" * bar_used + "[/][yellow]" + "▒" * bar_cache + "[/]" + "·" * (width - bar_used - bar_cache)
-        state = "running" if self.worker.run_flag.is_set() else "[b]paused[/]"
-        self.query_one("#pool", Static).update(
-            f"{bar}\nused {used} cached {v.pool_evictable} free {v.pool_free} / {v.pool_total}\n"
-            f"usage {v.token_usage:.2f}  hit rate {v.cache_hit_rate:.2f}\n"
-            f"new_token_ratio {v.new_token_ratio:.3f}\nretracted {v.retractions}  stop: {v.admission_stop or '-'}\n"
-            f"{v.policy}  iter {v.iteration}  {state}\n{v.throughput:.1f} tok/s  finished {v.finished}")
-        self._render_tree(v.tree)
-        new = min(v.log_total - self._log_shown, len(v.log))
-        log = self.query_one("#log", RichLog)
-        for line in v.log[len(v.log) - new:] if new > 0 else []:
-            log.write(line)
-        self._log_shown = v.log_total
+        self.query_one("#poolbox").border_title = f"KV pool: {v.pool_total} tokens"
+        pool.update(
+            f"{bar}\nused {used} free {v.pool_free}\ncached {v.pool_evictable} usage {v.token_usage:.2f}\n"
+            f"hit {v.cache_hit_rate:.2f} retracted {v.retractions}\nratio {v.new_token_ratio:.3f} {v.policy}\n"
+            f"stop {v.admission_stop or '-'}\n{v.throughput:.1f} tok/s done {v.finished}")
+        self.query_one("#hit", Sparkline).data = v.hit_rate_history or [0.0]
+        self.query_one("#tput", Sparkline).data = v.throughput_history or [0.0]
 
-    def _render_tree(self, nodes: list[dict]) -> None:
-        key = [(n["id"], n["parent_id"], n["key_len"], n["lock_ref"]) for n in nodes]
+    def _render_tree(self, v: View) -> None:
+        key = (v.tree, v.matched_path)
         if key == self._tree_key:
             return  # rebuilding the widget is the costly part of a frame
         self._tree_key = key
         tree = self.query_one("#tree", Tree)
         tree.clear()
-        handles = {}
-        for n in nodes:
-            if n["parent_id"] is None:
-                handles[n["id"]] = tree.root
+        # least recently used first: the order eviction takes unlocked leaves in
+        order = {row[0]: rank for rank, row in enumerate(sorted(v.tree, key=lambda r: r[5]))}
+        handles: dict[int, Any] = {}
+        for node_id, parent_id, key_len, head, lock_ref, _, hits in v.tree:
+            if parent_id == -1:
+                handles[node_id] = tree.root
                 continue
-            parent = handles.get(n["parent_id"], tree.root)
-            lock = f" 🔒{n['lock_ref']}" if n["lock_ref"] else ""
-            handles[n["id"]] = parent.add(f"{n['key_len']}{lock} {n['key_head'][:3]}", expand=True)
+            lock = f" 🔒{lock_ref}" if lock_ref else ""
+            label = Text(f"{key_len}{lock} lru{order[node_id]} {list(head[:3])}")
+            if node_id in v.matched_path:
+                label.stylize("bold reverse")
+            parent = handles.get(parent_id, tree.root)
+            handles[node_id] = parent.add(label, expand=True)
         tree.root.expand()
+
+    def _render_log(self, v: View) -> None:
+        log = self.query_one("#log", RichLog)
+        new = v.log_total - self._log_shown
+        if new < 0 or new > len(v.log):  # a replay jumped: redraw
+            log.clear()
+            new = len(v.log)
+        for line in v.log[len(v.log) - new:] if new > 0 else []:
+            log.write(line)
+        self._log_shown = v.log_total
 
     # --- keys -----------------------------------------------------------------------
 
     def action_toggle_pause(self) -> None:
-        if self.worker.run_flag.is_set():
-            self.worker.run_flag.clear()
-        else:
-            self.worker.run_flag.set()
+        self.paused = not self.paused
+        if not self.replay:
+            self.feed.connection.send("pause" if self.paused else "run")
         if self.last_view is not None:
             self.render_view(self.last_view)
 
     def action_step(self) -> None:
-        self.worker.run_flag.clear()
-        self.worker.step_once.set()
+        self.paused = True
+        if self.replay:
+            self.show_index(self.index + 1)
+        else:
+            self.feed.connection.send("step")
+
+    def action_back(self) -> None:
+        self.paused = True
+        self.show_index(self.index - 1)
+
+    def action_first(self) -> None:
+        self.show_index(0)
+
+    def action_last(self) -> None:
+        self.show_index(len(self.views) - 1)
 
     def action_add_prompt(self) -> None:
+        self._ask("prompt", "prompt, then Enter (Esc to cancel)")
+
+    def action_add_workload(self) -> None:
+        self._ask("workload", "workload: demo, shared-prefix, long-prompts, pool-pressure, steady or a .jsonl file")
+
+    def _ask(self, mode: str, placeholder: str) -> None:
+        self._input_mode = mode
         box = self.query_one("#prompt", Input)
+        box.placeholder = placeholder
         box.display, box.disabled = True, False
         box.focus()
 
@@ -244,10 +356,13 @@ class SchedulerApp(App):
     def on_input_submitted(self, event: Input.Submitted) -> None:
         text = event.value.strip()
         self._hide_prompt(event.input)
-        if text:
-            rid = self.engine.submit(messages=[{"role": "user", "content": text}],
-                                     sampling_params={"max_new_tokens": 64, "temperature": 0})
-            self.worker.log.append(f"{'':>5} submitted {rid}: {text[:40]}")
+        if not text:
+            return
+        if self._input_mode == "workload":
+            self.feed.connection.send("workload", text)
+        else:
+            self.feed.connection.send("submit", {"messages": [{"role": "user", "content": text}],
+                                                 "sampling_params": {"max_new_tokens": 64, "temperature": 0}})
 
     def on_key(self, event: Any) -> None:
         box = self.query_one("#prompt", Input)
@@ -255,14 +370,38 @@ class SchedulerApp(App):
             self._hide_prompt(box)
 
     def action_next_policy(self) -> None:
-        s = self.engine.scheduler
-        with self.worker.lock:
-            i = (SCHEDULE_POLICIES.index(s.server_args.schedule_policy) + 1) % len(SCHEDULE_POLICIES)
-            s.server_args.schedule_policy = SCHEDULE_POLICIES[i]
-            s.policy = SchedulePolicy(s.server_args.schedule_policy, s.tree_cache, s.server_args.random_seed)
-        self.worker.log.append(f"{'':>5} policy -> {SCHEDULE_POLICIES[i]}")
+        current = self.last_view.policy if self.last_view is not None and self.last_view.policy else SCHEDULE_POLICIES[0]
+        nxt = SCHEDULE_POLICIES[(SCHEDULE_POLICIES.index(current) + 1) % len(SCHEDULE_POLICIES)]
+        self.feed.connection.send("policy", nxt)
+
+    def action_select_next(self) -> None:
+        v = self.last_view
+        if v is None:
+            return
+        rids = [r[0] for r in v.running] + [r[0] for r in v.waiting]
+        rids += [rid for rid in reversed(self.requests) if rid not in rids]  # then the most recent others
+        if not rids:
+            return
+        i = rids.index(self.selected) + 1 if self.selected in rids else 0
+        self.selected = rids[i % len(rids)]
+        self.notify(f"selected {self.selected} (d: detail)", timeout=2)
+        self.render_view(v)
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        row = event.data_table.get_row_at(event.cursor_row)
+        if row:
+            self.selected = str(row[0])
+            self.action_detail()
+
+    def action_detail(self) -> None:
+        if self.selected is None:
+            self.action_select_next()
+        if self.selected is None or self.last_view is None:
+            return
+        screen = DetailScreen(self.selected)
+        self.push_screen(screen)
+        self.call_after_refresh(screen.show, self.requests.get(self.selected), self.last_view)
 
     def on_unmount(self) -> None:
-        self.worker.stop.set()
-        if self.worker.thread.is_alive():
-            self.worker.thread.join(timeout=10)
+        if self.feed is not None:
+            self.feed.connection.close()

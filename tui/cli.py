@@ -1,8 +1,9 @@
-"""``sglite tui``: the live scheduler view."""
+"""``sglite tui``: the live scheduler view, or a recording replayed."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
@@ -13,16 +14,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", default="demo",
                    help="demo, shared-prefix, long-prompts, pool-pressure, steady, or a .jsonl file")
     p.add_argument("--paused", action="store_true", help="start paused (n steps one iteration)")
+    p.add_argument("--replay", metavar="RECORDING", default=None,
+                   help="show a recording made with --record instead of running the engine "
+                        "(n/→ next iteration, b/← back, space play)")
     add_engine_arguments(p)
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from sglite.cli import attach_viewers
-    from sglite.engine import Engine
-    from sglite.model_loader import ModelLoadError
+    if args.replay:
+        return _replay(args.replay)
     from sglite.server_args import ServerArgs
-    from tui.app import SchedulerApp
+    from tui.app import LiveFeed, SchedulerApp
+    from tui.host import serve_in_process
     from tui.workloads import load
 
     try:
@@ -36,14 +40,37 @@ def _run(args: argparse.Namespace) -> int:
         if kwargs.get(k) == getattr(defaults, k):
             kwargs[k] = v
     kwargs["log_level"] = "error"  # log lines would tear the screen; the events panel shows them
+    print(f"sglite tui: loading {kwargs['model_path']} in the engine process ...", file=sys.stderr, flush=True)
+    viewer_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
+    connection = serve_in_process(kwargs, args.workload, args.paused, viewer_args)
     try:
-        engine = Engine(**kwargs)
-    except ModelLoadError as e:
+        info = connection.wait_ready()
+    except RuntimeError as e:
+        connection.close()
         print(f"error: {e}", file=sys.stderr)
         return 1
-    close = attach_viewers(engine, args)
+    title = f"{info['model']} · workload {info['workload']}"
+    SchedulerApp(LiveFeed(connection, info), title=title, paused=args.paused).run()
+    return 0
+
+
+def _replay(path: str) -> int:
+    from sglite.events import load_events
+    from tui.app import SchedulerApp
+    from tui.state import build_views
+
     try:
-        SchedulerApp(engine, workload, paused=args.paused).run()
-    finally:
-        close()
+        events = list(load_events(path))
+    except OSError as e:
+        print(f"error: cannot read {path}: {e.strerror}", file=sys.stderr)
+        return 1
+    except (ValueError, KeyError, TypeError) as e:
+        msg = e.msg if isinstance(e, json.JSONDecodeError) else repr(e)
+        print(f"error: {path} is not an sglite recording (--record writes one): {msg}", file=sys.stderr)
+        return 1
+    views, builder = build_views(events)
+    if not views:
+        print(f"error: {path} holds no scheduler iterations", file=sys.stderr)
+        return 1
+    SchedulerApp(views=views, builder=builder, title=f"replay {path}").run()
     return 0

@@ -1,20 +1,57 @@
-"""What the TUI shows, as plain data: taken from the scheduler after each iteration, so
-the screen never reads engine state while the engine is changing it."""
+"""What the TUI shows, built from the engine's events alone.
+
+``ViewBuilder`` folds the event stream into one ``View`` per scheduler iteration. The
+live screen and ``--replay`` feed it the same events (live from the engine process, or
+from a recording), so the panels at iteration k are the same either way. The scheduler's
+state comes from ``SchedulerSnapshot`` (emitted for subscribers that ask for it); the
+rest (plan, log, counters, request timelines) from the ordinary events.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from sglite import events as ev
+
+HISTORY = 120  # points kept for the hit-rate and throughput sparklines
+LOG_KEEP = 200
+
+
+@dataclass
+class ReqInfo:
+    """One request's story, for the detail screen: text and stages, each stamped with
+    the iteration it happened in (so a replay can show it as of any iteration)."""
+
+    rid: str
+    prompt_tokens: int = 0
+    max_new_tokens: int = 0
+    text: list[tuple[int, str]] = field(default_factory=list)
+    output_tokens: list[tuple[int, int]] = field(default_factory=list)  # (iteration, tokens so far)
+    timeline: list[tuple[int, str]] = field(default_factory=list)
+
+    def text_at(self, iteration: int) -> str:
+        return "".join(t for it, t in self.text if it <= iteration)
+
+    def tokens_at(self, iteration: int) -> int:
+        return next((n for it, n in reversed(self.output_tokens) if it <= iteration), 0)
+
+    def timeline_at(self, iteration: int) -> list[tuple[int, str]]:
+        return [(it, what) for it, what in self.timeline if it <= iteration]
+
 
 @dataclass
 class View:
     iteration: int = 0
-    forward_mode: str = "IDLE"
-    waiting: list[tuple] = field(default_factory=list)  # rid, prompt tokens, cached prefix, rounds waited
+    forward_mode: str = "IDLE"  # of the batch launched this iteration
+    bid: int = 0  # that batch's id (0: none)
+    processed_bid: int = 0  # the batch whose results this iteration processed
+    overlap: bool = False
+    waiting: list[tuple] = field(default_factory=list)  # rid, prompt tokens, cached prefix, iterations waited
     running: list[tuple] = field(default_factory=list)  # rid, seq_len, "out/max"
     plan: list[tuple] = field(default_factory=list)  # rid, prefix_len, extend_len, seq_len, loc range
     plan_rows: int = 0
+    chunked_rid: str = ""
     pool_total: int = 0
     pool_free: int = 0
     pool_evictable: int = 0
@@ -23,56 +60,159 @@ class View:
     new_token_ratio: float = 0.0
     retractions: int = 0
     admission_stop: str = ""
-    tree: list[dict[str, Any]] = field(default_factory=list)
+    tree: tuple = ()  # SchedulerSnapshot.tree rows
+    matched_path: frozenset[int] = frozenset()  # node ids from the root to the last match
     policy: str = ""
-    throughput: float = 0.0
+    throughput: float = 0.0  # output tokens/s over the last iterations
     finished: int = 0
-    log: list[str] = field(default_factory=list)  # the last 200 lines
-    log_total: int = 0  # lines ever logged, so the screen can append only new ones
+    hit_rate_history: list[float] = field(default_factory=list)
+    throughput_history: list[float] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)  # the last LOG_KEEP lines
+    log_total: int = 0  # lines logged so far, so the screen can append only new ones
+    has_snapshots: bool = True  # False for a recording made without them
+
+    def panels(self) -> dict[str, Any]:
+        """What each panel shows, as plain data (replay tests compare these)."""
+        return {"waiting": self.waiting, "running": self.running, "plan": (self.forward_mode, self.plan_rows, self.plan),
+                "pool": (self.pool_total, self.pool_free, self.pool_evictable, self.retractions, self.admission_stop),
+                "tree": (self.tree, self.matched_path), "log": self.log[-50:], "flight": (self.bid, self.processed_bid)}
 
 
-def _loc_range(locs: list[int]) -> str:
+def _loc_range(locs: tuple[int, ...]) -> str:
     if not locs:
         return "-"
     return f"{min(locs)}..{max(locs)}" if len(locs) > 1 else str(locs[0])
 
 
-def take(engine: Any, log_lines: list[str], throughput: float = 0.0, finished: int = 0,
-         queued_at: dict[str, int] | None = None) -> View:
-    """``queued_at``: the iteration each request (re-)entered the waiting queue."""
-    s = engine.scheduler
-    queued_at = queued_at or {}
-    batch = s.cur_batch
-    plan, rows = [], 0
-    if batch is not None:
-        locs = batch.out_cache_loc.tolist()
-        off = 0
-        for r, pre, ext, seq in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.seq_lens):
-            plan.append((r.rid, pre, ext, seq, _loc_range(locs[off:off + ext])))
-            off += ext
-        rows = len(batch.input_ids)
-    running = [(r.rid, r.seqlen, f"{len(r.output_ids)}/{r.sampling_params.max_new_tokens}")
-               for r in s.running_reqs()]
-    return View(
-        iteration=s.iteration,
-        forward_mode=batch.forward_mode.name if batch is not None else "IDLE",
-        waiting=[(r.rid, len(r.origin_input_ids), len(r.prefix_indices), s.iteration - queued_at.get(r.rid, s.iteration))
-                 for r in s.waiting_queue],
-        running=running,
-        plan=plan,
-        plan_rows=rows,
-        pool_total=s.max_total_num_tokens,
-        pool_free=s.token_to_kv_pool_allocator.available_size(),
-        pool_evictable=s.tree_cache.evictable_size(),
-        token_usage=s.token_usage(),
-        cache_hit_rate=s.cache_hit_rate(),
-        new_token_ratio=s.new_token_ratio,
-        retractions=s.num_retracted_reqs,
-        admission_stop=s.last_admission_stop,
-        tree=s.tree_cache.snapshot(),
-        policy=s.server_args.schedule_policy,
-        throughput=throughput,
-        finished=finished,
-        log=list(log_lines[-200:]),
-        log_total=len(log_lines),
-    )
+class ViewBuilder:
+    """Feed it events in order; it returns a View at the end of each iteration."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, ReqInfo] = {}
+        self.log: list[str] = []
+        self.queued_at: dict[str, int] = {}
+        self.finished = 0
+        self.retractions = 0
+        self.admission_stop = ""
+        self._last_stop_logged = ""
+        self._snapshot: ev.SchedulerSnapshot | None = None
+        self._tree: tuple = ()
+        self._plan: ev.BatchPlanned | None = None
+        self._tokens = 0  # output tokens emitted this iteration
+        self._last_ts: float | None = None
+        self._rate: list[tuple[float, int]] = []  # (seconds, tokens) of recent iterations
+        self.hit_rate_history: list[float] = []
+        self.throughput_history: list[float] = []
+
+    def add_log(self, iteration: int | str, line: str) -> None:
+        self.log.append(f"{iteration:>5} {line}")
+
+    def _req(self, rid: str) -> ReqInfo:
+        if rid not in self.requests:
+            self.requests[rid] = ReqInfo(rid)
+        return self.requests[rid]
+
+    def apply(self, e: ev.Event) -> View | None:
+        it = e.iteration
+        if isinstance(e, ev.ReqArrived):
+            r = self._req(e.rid)
+            r.prompt_tokens, r.max_new_tokens = e.prompt_tokens, e.max_new_tokens
+            r.timeline.append((it, f"arrived, {e.prompt_tokens} prompt tokens"))
+            self.queued_at[e.rid] = it
+        elif isinstance(e, ev.ReqAdmitted):
+            what = f"admitted: prefix {e.prefix_len} cached, +{e.extend_len} computed" + (" (chunk)" if e.chunked else "")
+            self._req(e.rid).timeline.append((it, what))
+            if e.prefix_len:
+                self.add_log(it, f"[green]hit[/] {e.rid} {e.prefix_len} cached +{e.extend_len}")
+        elif isinstance(e, ev.ReqChunked):
+            self._req(e.rid).timeline.append((it, f"chunk {e.chunk_index} done, {e.computed_len}/{e.total_len}"))
+            self.add_log(it, f"[cyan]chunk[/] {e.rid} #{e.chunk_index} {e.computed_len}/{e.total_len}")
+        elif isinstance(e, ev.ReqRetracted):
+            self.retractions += 1
+            self.queued_at[e.rid] = it
+            self._req(e.rid).timeline.append((it, f"retracted at {e.output_tokens} tokens"))
+            self.add_log(it, f"[red]retract[/] {e.rid} at {e.output_tokens} tok, "
+                             f"new_token_ratio {e.old_new_token_ratio:.3f}->{e.new_token_ratio:.3f}")
+        elif isinstance(e, ev.ReqFinished):
+            self.finished += 1
+            self._req(e.rid).timeline.append((it, f"finished: {e.reason}, {e.completion_tokens} tokens"))
+            self.add_log(it, f"done {e.rid} {e.reason} {e.completion_tokens} tok")
+        elif isinstance(e, ev.ReqAborted):
+            self._req(e.rid).timeline.append((it, f"aborted: {e.reason}"))
+            self.add_log(it, f"[red]abort[/] {e.rid}: {e.reason}")
+        elif isinstance(e, ev.TokensEmitted):
+            r = self._req(e.rid)
+            if not r.output_tokens:
+                r.timeline.append((it, "first token"))
+            n = (r.output_tokens[-1][1] if r.output_tokens else 0) + len(e.token_ids)
+            r.output_tokens.append((it, n))
+            if e.text:
+                r.text.append((it, e.text))
+            self._tokens += len(e.token_ids)
+        elif isinstance(e, ev.CacheEvicted):
+            self.add_log(it, f"[yellow]evict[/] {e.num_tokens} tok, {e.num_nodes} nodes")
+        elif isinstance(e, ev.AdmissionStopped):
+            self.admission_stop = e.reason
+            shown = e.reason if e.waiting else ""
+            if shown != self._last_stop_logged and shown not in ("", "EMPTY_QUEUE"):
+                self.add_log(it, f"admission stops: {shown}, {e.waiting} waiting")
+            self._last_stop_logged = shown
+        elif isinstance(e, ev.BatchPlanned):
+            self._plan = e
+        elif isinstance(e, ev.SchedulerSnapshot):
+            self._snapshot = e
+            if e.tree is not None:
+                self._tree = e.tree
+        elif isinstance(e, ev.IterationFinished):
+            return self._finish_iteration(e)
+        return None
+
+    def _finish_iteration(self, e: ev.IterationFinished) -> View:
+        it = e.iteration
+        if self._last_ts is not None:
+            self._rate = (self._rate + [(e.ts - self._last_ts, self._tokens)])[-20:]
+        self._last_ts, self._tokens = e.ts, 0
+        seconds = sum(dt for dt, _ in self._rate)
+        throughput = sum(n for _, n in self._rate) / seconds if seconds > 0 else 0.0
+        self.hit_rate_history = (self.hit_rate_history + [e.cache_hit_rate])[-HISTORY:]
+        self.throughput_history = (self.throughput_history + [throughput])[-HISTORY:]
+        plan, rows = [], 0
+        if e.bid and self._plan is not None and self._plan.bid == e.bid:
+            p, off = self._plan, 0
+            for rid, pre, ext, seq in zip(p.rids, p.prefix_lens, p.extend_lens, p.seq_lens):
+                plan.append((rid, pre, ext, seq, _loc_range(p.out_cache_loc[off:off + ext])))
+                off += ext
+            rows = p.num_rows
+        s = self._snapshot
+        self._snapshot = None
+        view = View(
+            iteration=it, forward_mode=e.forward_mode or "IDLE", bid=e.bid, processed_bid=e.processed_bid,
+            plan=plan, plan_rows=rows, token_usage=e.token_usage, cache_hit_rate=e.cache_hit_rate,
+            new_token_ratio=e.new_token_ratio, retractions=self.retractions, admission_stop=self.admission_stop,
+            throughput=throughput, finished=self.finished, hit_rate_history=list(self.hit_rate_history),
+            throughput_history=list(self.throughput_history), log=self.log[-LOG_KEEP:], log_total=len(self.log),
+            has_snapshots=s is not None,
+        )
+        if s is not None:
+            view.waiting = [(rid, n, pre, it - self.queued_at.get(rid, it)) for rid, n, pre in s.waiting]
+            view.running = [(rid, seq, f"{out}/{mx}") for rid, seq, out, mx in s.running]
+            view.chunked_rid, view.overlap, view.policy = s.chunked_rid, s.overlap, s.policy
+            view.pool_total, view.pool_free, view.pool_evictable = s.pool_total, s.pool_free, s.pool_evictable
+            view.tree, view.matched_path = self._tree, _path_to(self._tree, s.matched_node)
+        return view
+
+
+def _path_to(tree: tuple, node_id: int) -> frozenset[int]:
+    parent = {row[0]: row[1] for row in tree}
+    path = set()
+    while node_id in parent and node_id not in path:
+        path.add(node_id)
+        node_id = parent[node_id]
+    return frozenset(path)
+
+
+def build_views(events: list[ev.Event]) -> tuple[list[View], ViewBuilder]:
+    """Every iteration's View of a recording, in order (for --replay)."""
+    builder = ViewBuilder()
+    views = [v for v in map(builder.apply, events) if v is not None]
+    return views, builder

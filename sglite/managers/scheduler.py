@@ -79,6 +79,8 @@ class Scheduler:
         self.num_generated_tokens = 0
         self.last_decode_stats_tic = time.perf_counter()
         self.last_admission_stop = ""
+        self.last_matched_node_id = 0  # radix node where the latest admission's prefix match ended
+        self._last_tree_snapshot: tuple | None = None
         self.num_reqs_received = 0  # also seeds requests that bring no seed of their own
         self._outputs: list[BatchStrOut] = []
 
@@ -323,6 +325,8 @@ class Scheduler:
         new_batch = self._new_batch(can_run, self.chunked_req)
         new_batch.prepare_for_extend()
         for req in can_run:
+            if req.last_node is not None:
+                self.last_matched_node_id = req.last_node.id
             self.bus.emit(ev.CacheMatched, rid=req.rid, matched_len=len(req.prefix_indices), key_len=len(req.fill_ids))
             self.bus.emit(ev.ReqAdmitted, rid=req.rid, prefix_len=len(req.prefix_indices),
                           extend_len=req.extend_input_len, chunked=req is self.chunked_req)
@@ -599,6 +603,10 @@ class Scheduler:
         elif batch is None:
             self.self_check_during_idle()
         self.last_batch = batch
+        if self.bus.wants_snapshots:
+            self._emit_snapshot()
+        else:
+            self._last_tree_snapshot = None  # a later snapshot subscriber gets the whole tree
         if self.bus.active:
             self.bus.emit(
                 ev.IterationFinished, started=started, scheduled=scheduled, forwarded=launched, resolved=resolved,
@@ -611,6 +619,22 @@ class Scheduler:
             )
         outputs, self._outputs = self._outputs, []
         return outputs
+
+    def _emit_snapshot(self) -> None:
+        waiting = tuple((r.rid, len(r.origin_input_ids), len(r.prefix_indices)) for r in self.waiting_queue)
+        running = tuple((r.rid, r.seqlen, len(r.output_ids), r.sampling_params.max_new_tokens)
+                        for r in self.running_reqs())
+        tree = tuple((n["id"], -1 if n["parent_id"] is None else n["parent_id"], n["key_len"], tuple(n["key_head"]),
+                      n["lock_ref"], n["access_seq"], n["hit_count"]) for n in self.tree_cache.snapshot())
+        changed = tree != self._last_tree_snapshot
+        self._last_tree_snapshot = tree
+        self.bus.emit(ev.SchedulerSnapshot, waiting=waiting, running=running,
+                      chunked_rid=self.chunked_req.rid if self.chunked_req is not None else "",
+                      pool_total=self.max_total_num_tokens,
+                      pool_free=self.token_to_kv_pool_allocator.available_size(),
+                      pool_evictable=self.tree_cache.evictable_size(), tree=tree if changed else None,
+                      matched_node=self.last_matched_node_id, policy=self.server_args.schedule_policy,
+                      overlap=self.enable_overlap)
 
     def shutdown(self) -> None:
         """Finish the round in flight (overlap) and stop the forward worker."""

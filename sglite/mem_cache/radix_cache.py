@@ -283,6 +283,7 @@ class RadixCache(BasePrefixCache):
                 "key_head": list(n.key[:SNAPSHOT_KEY_HEAD]),
                 "lock_ref": n.lock_ref,
                 "last_access_time": n.last_access_time,
+                "access_seq": n.access_seq,
                 "hit_count": n.hit_count,
             }
             for n in self._iter_nodes()

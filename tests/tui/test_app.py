@@ -1,21 +1,37 @@
-"""The TUI under Textual's pilot: tiny-random on the pool-pressure workload, stepped
-until a retract, and what each panel shows then; keys pause, step and add prompts."""
+"""The TUI under Textual's pilot, on tiny-random with the pool-pressure workload: what
+each panel shows, the keys, the request detail, replay of a recording (the same panels
+as live at every iteration), the engine process, and SVG snapshots of fixed states."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
+import queue
+import subprocess
+import sys
 
 import pytest
 
+from sglite import events as ev
 from sglite.engine import Engine
-from tui.app import SchedulerApp
+from tui.app import DetailScreen, LiveFeed, SchedulerApp
+from tui.host import EngineHost, HostConnection, serve_in_process, serve_in_thread
+from tui.state import ViewBuilder, build_views
 from tui.workloads import builtin, load
 
+WORKLOAD = builtin("pool-pressure")
 
-def make_app(paused=True, start_worker=False):
-    wl = builtin("pool-pressure")
-    engine = Engine("tiny-random", log_level="error", **wl.server_args)
-    return SchedulerApp(engine, wl, paused=paused, start_worker=start_worker)
+
+def make_engine(**kw) -> Engine:
+    return Engine("tiny-random", log_level="error", **{**WORKLOAD.server_args, **kw})
+
+
+def by_hand(engine: Engine, paused: bool = True) -> tuple[EngineHost, HostConnection]:
+    """A host the test steps itself: deterministic, no thread."""
+    inbox: queue.Queue = queue.Queue()
+    outbox: queue.Queue = queue.Queue()
+    return EngineHost(engine, WORKLOAD, outbox, paused), HostConnection(inbox, outbox)
 
 
 def table_rows(app, tid):
@@ -23,29 +39,53 @@ def table_rows(app, tid):
     return [[str(c) for c in t.get_row_at(i)] for i in range(t.row_count)]
 
 
+def panel_texts(app) -> dict:
+    """Everything the panels show, as text."""
+    tree = app.query_one("#tree")
+    labels = []
+
+    def walk(node, depth):
+        for child in node.children:
+            labels.append((depth, str(child.label)))
+            walk(child, depth + 1)
+
+    walk(tree.root, 0)
+    return {
+        **{tid: table_rows(app, tid) for tid in ("waiting", "running", "plan")},
+        "plan_title": (app.query_one("#plan").border_title, app.query_one("#plan").border_subtitle),
+        "pool": str(app.query_one("#pool").render()),
+        "tree": labels,
+        "log": [str(line.text) for line in app.query_one("#log").lines],
+    }
+
+
 def test_panels_after_the_first_retract():
     async def scenario():
-        app = make_app()
+        engine = make_engine()
+        host, conn = by_hand(engine)
+        app = SchedulerApp(LiveFeed(conn, {}), title="test", paused=True)
         async with app.run_test(size=(200, 50)) as pilot:
-            sched = app.engine.scheduler
+            sched = engine.scheduler
             for _ in range(500):
-                view = app.worker.step()
+                host.step()
                 if sched.num_retracted_reqs:
                     break
             assert sched.num_retracted_reqs > 0
-            app.render_view(view)
+            app._tick()
             await pilot.pause()
             waiting = table_rows(app, "waiting")
-            assert {r[0] for r in waiting} == {r.rid for r in sched.waiting_queue}
+            assert [r[0] for r in waiting] == [r.rid for r in sched.waiting_queue]
             assert any(r.is_retracted for r in sched.waiting_queue)
-            running = table_rows(app, "running")
-            assert {r[0] for r in running} == {r.rid for r in sched.running_reqs()}
+            assert [r[0] for r in table_rows(app, "running")] == [r.rid for r in sched.running_reqs()]
             plan = table_rows(app, "plan")
             assert [r[0] for r in plan] == [r.rid for r in sched.cur_batch.reqs]
-            assert app.query_one("#plan").border_title.startswith(f"this round: {sched.cur_batch.forward_mode.name}")
+            assert app.query_one("#plan").border_title.startswith(f"this round #{sched.forward_ct}: "
+                                                                 f"{sched.cur_batch.forward_mode.name}")
+            assert app.query_one("#plan").border_subtitle == f"#{sched.forward_ct} in flight, #{sched.forward_ct - 1} processed"
             pool = str(app.query_one("#pool").render())
-            assert f"retracted {sched.num_retracted_reqs}" in pool and f"/ {sched.max_total_num_tokens}" in pool
-            log_text = "\n".join(str(line) for line in app.query_one("#log").lines)
+            assert f"retracted {sched.num_retracted_reqs}" in pool
+            assert app.query_one("#poolbox").border_title == f"KV pool: {sched.max_total_num_tokens} tokens"
+            log_text = "\n".join(panel_texts(app)["log"])
             assert "retract" in log_text and "new_token_ratio" in log_text
             tree = app.query_one("#tree")
             assert len(tree.root.children) == len([n for n in sched.tree_cache.snapshot() if n["parent_id"] == 0])
@@ -53,37 +93,146 @@ def test_panels_after_the_first_retract():
     asyncio.run(scenario())
 
 
-def test_keys_step_pause_and_add_prompt():
+@pytest.mark.parametrize("overlap", [True, False])
+def test_views_match_the_scheduler_at_every_iteration(overlap):
+    """The panels are built from events only; they must agree with the scheduler."""
+    engine = make_engine(disable_overlap_schedule=not overlap)
+    host, conn = by_hand(engine)
+    builder = ViewBuilder()
+    sched = engine.scheduler
+    for _ in range(400):
+        host.step()
+        (view,) = [v for _, evs in conn.drain() for v in map(builder.apply, evs) if v is not None]
+        assert view.iteration == sched.iteration
+        assert [(w[0], w[2]) for w in view.waiting] == [(r.rid, len(r.prefix_indices)) for r in sched.waiting_queue]
+        assert [(r[0], r[1]) for r in view.running] == [(r.rid, r.seqlen) for r in sched.running_reqs()]
+        batch = sched.cur_batch
+        assert [p[0] for p in view.plan] == ([r.rid for r in batch.reqs] if batch else [])
+        assert view.plan_rows == (len(batch.input_ids) if batch else 0)
+        assert (view.pool_free, view.pool_evictable) == (sched.token_to_kv_pool_allocator.available_size(),
+                                                         sched.tree_cache.evictable_size())
+        snap = sched.tree_cache.snapshot()
+        assert [(n[0], n[4]) for n in view.tree] == [(n["id"], n["lock_ref"]) for n in snap]
+        assert view.retractions == sched.num_retracted_reqs
+        if not sched.has_work() and not host.pending:
+            break
+    assert view.finished == len(WORKLOAD.arrivals) and view.retractions > 0
+
+
+def test_keys_step_pause_add_prompt_policy_and_workload():
     async def scenario():
-        app = make_app(paused=True, start_worker=True)
+        engine = make_engine()
+        conn = serve_in_thread(engine, WORKLOAD, paused=True)
+        info = conn.wait_ready()
+        app = SchedulerApp(LiveFeed(conn, info), title="test", paused=True)
         async with app.run_test(size=(120, 40)) as pilot:
-            sched = app.engine.scheduler
-            assert sched.iteration == 0
+            builder = app.feed.builder
             await pilot.press("n")
             for _ in range(100):
-                await pilot.pause(0.02)
-                if sched.iteration >= 1:
-                    break
-            await pilot.pause(0.2)
-            assert sched.iteration == 1  # exactly one iteration while paused
-            await pilot.press("a")
-            await pilot.press(*"hello")
-            await pilot.press("enter")
-            await pilot.pause()
-            assert any("submitted" in line for line in app.worker.log)
-            await pilot.press("p")
-            assert sched.server_args.schedule_policy == "lpm"
-            await pilot.press("space")  # run
-            for _ in range(1200):
                 await pilot.pause(0.05)
-                with app.worker.lock:  # not mid-iteration: admitted requests are in no queue then
-                    done = not sched.has_work() and not app.worker.pending
-                if done:
+                if app.last_view is not None:
                     break
-            assert app.worker.finished == len(builtin("pool-pressure").arrivals) + 1
+            await pilot.pause(0.3)
+            assert app.last_view.iteration == 1  # exactly one iteration while paused
+            await pilot.press("a", *"hello", "enter")
+            await pilot.press("p")
+            await pilot.press("w", *"steady", "enter")
+            for _ in range(100):
+                await pilot.pause(0.05)
+                if any("workload steady" in line for line in builder.log):
+                    break
+            log = "\n".join(builder.log)
+            assert "submitted r12" in log and "policy -> lpm" in log and "workload steady: 24 requests" in log
+            await pilot.press("space")  # run
+            expected = len(WORKLOAD.arrivals) + 1 + len(builtin("steady").arrivals)
+            for _ in range(2400):
+                await pilot.pause(0.05)
+                if builder.finished == expected:
+                    break
+            assert builder.finished == expected
+            assert app.last_view.policy == "lpm"
+            await pilot.press("s", "d")
+            await pilot.pause()
+            assert isinstance(app.screen, DetailScreen)
+            body = str(app.screen.query_one("#detail-body").render())
+            assert "arrived" in body and "admitted" in body and "finished" in body
+            await pilot.press("escape")
             await pilot.press("q")
 
     asyncio.run(scenario())
+
+
+def test_replay_shows_the_live_panels_at_every_iteration(tmp_path):
+    rec_path = tmp_path / "run.jsonl"
+
+    async def live():
+        engine = make_engine(chunked_prefill_size=64)
+        rec = ev.EventRecorder(str(rec_path))
+        engine.event_bus.subscribe(rec, snapshots=True)
+        host, conn = by_hand(engine)
+        app = SchedulerApp(LiveFeed(conn, {}), title="test", paused=True)
+        shown = {}
+        async with app.run_test(size=(200, 50)) as pilot:
+            for _ in range(400):
+                host.step()
+                app._tick()
+                await pilot.pause()
+                shown[app.last_view.iteration] = panel_texts(app)
+                if not engine.scheduler.has_work() and not host.pending:
+                    break
+        rec.close()
+        return shown
+
+    async def replay(shown):
+        views, builder = build_views(list(ev.load_events(str(rec_path))))
+        assert [v.iteration for v in views] == sorted(shown)
+        app = SchedulerApp(views=views, builder=builder, title="replay")
+        async with app.run_test(size=(200, 50)) as pilot:
+            for k in range(len(views)):
+                app.show_index(k)
+                await pilot.pause()
+                assert panel_texts(app) == shown[views[k].iteration], f"iteration {views[k].iteration}"
+            for k in (len(views) // 2, 3):  # backwards too
+                app.show_index(k)
+                await pilot.pause()
+                assert panel_texts(app) == shown[views[k].iteration]
+            await pilot.press("left")
+            assert app.index == 2
+
+    shown = asyncio.run(live())
+    assert any("retract" in line for p in shown.values() for line in p["log"])
+    asyncio.run(replay(shown))
+
+
+def test_replay_command_line_errors(tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "sglite.cli", "tui", *args], capture_output=True, text=True,
+                              timeout=120)
+
+    proc = run("--replay", str(tmp_path / "missing.jsonl"))
+    assert proc.returncode == 1 and proc.stderr.startswith("error: cannot read") and proc.stderr.count("\n") == 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    proc = run("--replay", str(bad))
+    assert proc.returncode == 1 and "not an sglite recording" in proc.stderr and proc.stderr.count("\n") == 1
+    proc = run("--workload", "nope")
+    assert proc.returncode == 2 and "unknown workload" in proc.stderr
+
+
+def test_engine_process_runs_and_reports_load_errors(tmp_path):
+    conn = serve_in_process({"model_path": str(tmp_path / "missing.gguf"), "log_level": "error"}, "steady", True)
+    with pytest.raises(RuntimeError) as err:
+        conn.wait_ready(timeout=120)
+    assert "missing.gguf" in str(err.value) and "Traceback" not in str(err.value)
+    conn.close()
+    conn = serve_in_process({"model_path": "tiny-random", "log_level": "error"}, "steady", True)
+    info = conn.wait_ready(timeout=120)
+    assert info["model"] == "tiny-random" and info["overlap"] is True
+    conn.send("step")
+    msg = conn.outbox.get(timeout=60)
+    assert msg[0] == "events" and any(isinstance(e, ev.IterationFinished) for e in msg[1])
+    conn.close()
+    assert not conn.worker.is_alive()
 
 
 def test_workload_file_and_errors(tmp_path):
@@ -100,16 +249,19 @@ def test_workload_file_and_errors(tmp_path):
 
 
 def snapshot_app(steps: int):
-    wl = builtin("pool-pressure")
-    engine = Engine("tiny-random", log_level="error", **wl.server_args)
-    # one "second" per iteration: the throughput shown is deterministic
-    app = SchedulerApp(engine, wl, paused=True, start_worker=False,
-                       clock=lambda: float(engine.scheduler.iteration))
+    """A live screen after ``steps`` iterations; event times are replaced by the
+    iteration number, so the throughput shown is the same on every machine."""
+    engine = make_engine()
+    host, conn = by_hand(engine)
     for _ in range(steps):
-        view = app.worker.step()
+        host.step()
+    msgs = [(kind, [dataclasses.replace(e, ts=float(e.iteration)) for e in payload]) for kind, payload in conn.drain()]
+    for m in msgs:
+        conn.outbox.put(m)
+    app = SchedulerApp(LiveFeed(conn, {}), title="tiny-random · workload pool-pressure", paused=True)
 
     async def show(pilot):
-        app.render_view(view)
+        app._tick()
         await pilot.pause()
 
     return app, show
@@ -120,3 +272,14 @@ def test_main_screen_snapshots(snap_compare, steps, size):
     """Fixed states: after the first prefills, and past the first retraction."""
     app, show = snapshot_app(steps)
     assert snap_compare(app, terminal_size=size, run_before=show)
+
+
+def test_recording_round_trips_snapshots(tmp_path):
+    engine = make_engine()
+    log = ev.EventLog()
+    engine.event_bus.subscribe(log, snapshots=True)
+    engine.submit(input_ids=[3, 4, 5], sampling_params={"max_new_tokens": 3})
+    for _ in range(5):
+        engine.step()
+    snaps = log.of(ev.SchedulerSnapshot)
+    assert snaps and all(ev.event_from_dict(json.loads(s.to_json())) == s for s in snaps)

@@ -1,0 +1,219 @@
+"""The engine side of the TUI: a loop that steps the engine, ships each iteration's
+events to the screen, and takes the screen's commands (pause, step, submit, policy,
+workload). ``sglite tui`` runs it in a process of its own, as SGLang runs its
+scheduler, so drawing never competes with the engine for the interpreter; tests run the
+same loop on a thread, or call ``step()`` by hand.
+
+Messages to the screen: ``("events", [Event, ...])`` once per iteration, ``("log",
+text)``, ``("ready", info)`` once the model is loaded, ``("error", text)``.
+Commands from it: ``("run",)``, ``("pause",)``, ``("step",)``, ``("submit", kwargs)``,
+``("policy", name)``, ``("workload", name_or_path)``, ``("quit",)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import queue
+import sys
+import threading
+import traceback
+from typing import Any
+
+from sglite import events as ev
+from tui.workloads import Arrival, Workload, load
+
+IDLE_POLL = 0.05  # seconds to wait for a command while paused or idle
+
+
+class EngineHost:
+    def __init__(self, engine: Any, workload: Workload, outbox: Any, paused: bool = False):
+        self.engine = engine
+        self.outbox = outbox
+        self.pending: list[Arrival] = sorted(workload.arrivals, key=lambda a: a.at)
+        self.running = not paused
+        self._events: list[ev.Event] = []
+        engine.event_bus.subscribe(self._events.append, snapshots=True)
+
+    def _log(self, text: str) -> None:
+        self.outbox.put(("log", text))
+
+    def idle(self) -> bool:
+        return not self.pending and not self.engine.scheduler.has_work()
+
+    def submit_arrivals(self) -> None:
+        it = self.engine.scheduler.iteration
+        while self.pending and self.pending[0].at <= it:
+            a = self.pending.pop(0)
+            self.engine.submit(a.prompt, input_ids=a.input_ids, messages=a.messages,
+                               sampling_params={"max_new_tokens": a.max_new_tokens, "temperature": 0,
+                                                "ignore_eos": a.ignore_eos})
+
+    def step(self) -> None:
+        """One scheduler iteration; its events go to the screen as one message."""
+        self.submit_arrivals()
+        self.engine.step()
+        events, self._events[:] = list(self._events), []
+        self.outbox.put(("events", events))
+
+    def handle(self, cmd: tuple) -> bool:
+        """Apply a command; False means quit."""
+        kind = cmd[0]
+        if kind == "quit":
+            return False
+        if kind == "run":
+            self.running = True
+        elif kind == "pause":
+            self.running = False
+        elif kind == "step":
+            self.running = False
+            self.step()
+        elif kind == "submit":
+            rid = self.engine.submit(**cmd[1])
+            self._log(f"submitted {rid}")
+        elif kind == "policy":
+            self._set_policy(cmd[1])
+        elif kind == "workload":
+            self._add_workload(cmd[1])
+        return True
+
+    def _set_policy(self, name: str) -> None:
+        from sglite.managers.schedule_policy import SchedulePolicy
+
+        s = self.engine.scheduler
+        s.server_args.schedule_policy = name
+        s.policy = SchedulePolicy(name, s.tree_cache, s.server_args.random_seed)
+        self._log(f"policy -> {name}")
+
+    def _add_workload(self, name: str) -> None:
+        try:
+            wl = load(name)
+        except ValueError as e:
+            self._log(f"[red]error[/] {e}")
+            return
+        now = self.engine.scheduler.iteration
+        arrivals = [Arrival(**{**a.__dict__, "at": a.at + now}) for a in wl.arrivals]
+        self.pending = sorted(self.pending + arrivals, key=lambda a: a.at)
+        self._log(f"workload {wl.name}: {len(arrivals)} requests")
+
+    def serve(self, inbox: Any) -> None:
+        """Run until told to quit: step while running and there is work, else wait for
+        a command."""
+        while True:
+            wait = not self.running or self.idle()
+            try:
+                cmd = inbox.get(timeout=IDLE_POLL) if wait else inbox.get_nowait()
+            except queue.Empty:
+                cmd = None
+            if cmd is not None:
+                if not self.handle(cmd):
+                    return
+                continue
+            if self.running and not self.idle():
+                self.step()
+
+
+class HostConnection:
+    """The screen's end: send commands, drain messages."""
+
+    def __init__(self, inbox: Any, outbox: Any, worker: Any = None):
+        self.inbox, self.outbox, self.worker = inbox, outbox, worker
+
+    def send(self, *cmd: Any) -> None:
+        self.inbox.put(cmd)
+
+    def drain(self, limit: int = 10_000) -> list[tuple]:
+        out = []
+        for _ in range(limit):
+            try:
+                out.append(self.outbox.get_nowait())
+            except queue.Empty:
+                break
+        return out
+
+    def wait_ready(self, timeout: float = 600.0) -> dict[str, Any]:
+        """Block until the engine is loaded; raises RuntimeError with its error."""
+        msg = self.outbox.get(timeout=timeout)
+        if msg[0] == "error":
+            raise RuntimeError(msg[1])
+        assert msg[0] == "ready", msg
+        return msg[1]
+
+    def close(self) -> None:
+        self.send("quit")
+        if self.worker is None:  # a host stepped by hand
+            return
+        self.worker.join(timeout=10)
+        if isinstance(self.worker, multiprocessing.process.BaseProcess) and self.worker.is_alive():
+            self.worker.terminate()
+
+
+def _ready_info(engine: Any, workload: Workload) -> dict[str, Any]:
+    s = engine.scheduler
+    return {"model": engine.server_args.model_path, "workload": workload.name, "overlap": s.enable_overlap,
+            "pool": s.max_total_num_tokens, "policy": engine.server_args.schedule_policy}
+
+
+def serve_in_thread(engine: Any, workload: Workload, paused: bool = False) -> HostConnection:
+    """The host loop on a thread of this process (tests)."""
+    inbox: queue.Queue = queue.Queue()
+    outbox: queue.Queue = queue.Queue()
+    host = EngineHost(engine, workload, outbox, paused)
+    outbox.put(("ready", _ready_info(engine, workload)))
+    thread = threading.Thread(target=host.serve, args=(inbox,), daemon=True, name="sglite-tui-host")
+    thread.start()
+    return HostConnection(inbox, outbox, thread)
+
+
+def serve_in_process(engine_kwargs: dict[str, Any], workload_name: str, paused: bool,
+                     viewer_args: Any = None) -> HostConnection:
+    """The host loop in a new process that loads the model itself."""
+    ctx = multiprocessing.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_process_main, args=(engine_kwargs, workload_name, paused, viewer_args, inbox, outbox),
+                       daemon=True, name="sglite-engine")
+    proc.start()
+    return HostConnection(inbox, outbox, proc)
+
+
+class _ToScreen(logging.Handler):
+    def __init__(self, outbox: Any):
+        super().__init__(logging.WARNING)
+        self.outbox = outbox
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.outbox.put(("log", f"[yellow]{record.getMessage()}[/]"))
+
+
+def _process_main(engine_kwargs: dict[str, Any], workload_name: str, paused: bool, viewer_args: Any,
+                  inbox: Any, outbox: Any) -> None:
+    close = None
+    try:
+        from sglite.engine import Engine
+
+        workload = load(workload_name)
+        engine = Engine(**engine_kwargs)
+        if viewer_args is not None:
+            from sglite.cli import attach_viewers
+
+            close = attach_viewers(engine, viewer_args)
+        host = EngineHost(engine, workload, outbox, paused)
+        # from here on the terminal belongs to the screen: warnings go to its events panel
+        for name in ("sglite", "sglite.tracing"):
+            logging.getLogger(name).handlers[:] = [_ToScreen(outbox)]
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        outbox.put(("ready", _ready_info(engine, workload)))
+        host.serve(inbox)
+    except BaseException as e:  # the screen shows it; a traceback here would tear it
+        from sglite.model_loader import ModelLoadError
+
+        known = isinstance(e, (ModelLoadError, ValueError, OSError))
+        outbox.put(("error", str(e) if known else traceback.format_exc()))
+    finally:
+        if close is not None:
+            close()
