@@ -37,9 +37,12 @@ class ServerArgs:
     schedule_policy: str = _opt("fcfs", "order of the waiting_queue", choices=SCHEDULE_POLICIES)
     schedule_conservativeness: float = _opt(1.0, "scales init_new_token_ratio: higher admits fewer new requests")
     disable_radix_cache: bool = _opt(False, "use ChunkCache: no prefix reuse")
-    disable_overlap_schedule: bool = _opt(
-        False, "run event_loop_normal: plan the next round only after this round's tokens are back "
-               "(default: event_loop_overlap plans round N+1 while round N's forward runs)")
+    disable_overlap_schedule: bool | None = _opt(
+        None, "run event_loop_normal: plan the next round only after this round's tokens are back. Default: "
+              "event_loop_overlap (plan round N+1 while round N's forward runs) on CUDA, event_loop_normal on "
+              "CPU, where the forward thread and the scheduler share the cores (on 2 cores the overlap loop "
+              "measured about 0.5x of the normal loop's throughput on smollm2); --enable-overlap-schedule runs it",
+        negative="--enable-overlap-schedule")
     random_seed: int = _opt(42, "seed for requests that bring no seed of their own")
     waiting_timeout: float | None = _opt(None, "abort a request that waits longer than this many seconds")
     running_timeout: float | None = _opt(None, "abort a request that runs longer than this many seconds")
@@ -57,6 +60,8 @@ class ServerArgs:
     enable_self_check: bool = _opt(True, "check every KV slot is accounted for when idle")
 
     def __post_init__(self) -> None:
+        if self.disable_overlap_schedule is None:  # the overlap loop pays where the forward runs on a GPU
+            self.disable_overlap_schedule = not _on_cuda(self.device)
         if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
             self.chunked_prefill_size = None
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -88,6 +93,12 @@ class ServerArgs:
                 action = argparse.BooleanOptionalAction if f.default else "store_true"
                 group.add_argument(flag, action=action, default=f.default, help=help_text)
                 continue
+            if "negative" in f.metadata:  # bool | None: a flag for True, one for False, None picks by device
+                both = group.add_mutually_exclusive_group()
+                both.add_argument(flag, dest=f.name, action="store_const", const=True, default=None, help=help_text)
+                both.add_argument(f.metadata["negative"], dest=f.name, action="store_const", const=False,
+                                  help=f"the opposite of {flag}")
+                continue
             typ = _parse_type(f.type)
             kw: dict[str, Any] = {"type": typ, "default": f.default, "help": help_text}
             if "choices" in f.metadata:
@@ -97,6 +108,14 @@ class ServerArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _on_cuda(device: str) -> bool:
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
 
 
 def _parse_type(annotation: Any) -> Any:

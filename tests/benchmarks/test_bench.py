@@ -102,7 +102,7 @@ def test_missing_optional_packages_are_explained(monkeypatch, tmp_path):
 
 def test_ablations_are_a_table_of_overrides():
     names = [a.name for a in bench.ABLATIONS]
-    assert {"radix-off", "chunked-off", "mixed-chunk", "overlap-off", "trace-1", "trace-2"} <= set(names)
+    assert {"radix-off", "chunked-off", "mixed-chunk", "overlap-on", "overlap-off", "trace-1", "trace-2"} <= set(names)
     with pytest.raises(ValueError, match="unknown ablation"):
         bench.select_ablations("radix-off,nope")
     default = bench.select_ablations("default")

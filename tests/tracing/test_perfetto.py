@@ -67,7 +67,7 @@ def test_perfetto_trace_is_valid_and_has_the_tracks():
 def test_overlap_batches_get_a_second_lane():
     """Overlap loop: batch N's span lasts until its results are processed, after batch
     N+1 is planned; the two overlap, so the export puts them in two lanes."""
-    events, _ = run_events(max_total_tokens=2048, chunked_prefill_size=32)
+    events, _ = run_events(max_total_tokens=2048, chunked_prefill_size=32, disable_overlap_schedule=False)
     trace = events_to_chrome_trace(events)
     check_valid(trace)
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}

@@ -61,7 +61,7 @@ def panel_texts(app) -> dict:
 
 def test_panels_after_the_first_retract():
     async def scenario():
-        engine = make_engine()
+        engine = make_engine(disable_overlap_schedule=False)  # the plan's border names both batches
         host, conn = by_hand(engine)
         app = SchedulerApp(LiveFeed(conn, {}), title="test", paused=True)
         async with app.run_test(size=(200, 50)) as pilot:
@@ -225,7 +225,8 @@ def test_engine_process_runs_and_reports_load_errors(tmp_path):
         conn.wait_ready(timeout=120)
     assert "missing.gguf" in str(err.value) and "Traceback" not in str(err.value)
     conn.close()
-    conn = serve_in_process({"model_path": "tiny-random", "log_level": "error"}, "steady", True)
+    conn = serve_in_process({"model_path": "tiny-random", "log_level": "error", "disable_overlap_schedule": False},
+                            "steady", True)
     info = conn.wait_ready(timeout=120)
     assert info["model"] == "tiny-random" and info["overlap"] is True
     conn.send("step")
@@ -251,7 +252,7 @@ def test_workload_file_and_errors(tmp_path):
 def snapshot_app(steps: int):
     """A live screen after ``steps`` iterations; event times are replaced by the
     iteration number, so the throughput shown is the same on every machine."""
-    engine = make_engine()
+    engine = make_engine(disable_overlap_schedule=False)
     host, conn = by_hand(engine)
     for _ in range(steps):
         host.step()

@@ -1,0 +1,41 @@
+"""ServerArgs: SGLang's knob names, and defaults that depend on the device."""
+
+import argparse
+
+import pytest
+import torch
+
+from sglite.engine import Engine
+from sglite.server_args import ServerArgs
+
+
+def parse(*argv: str) -> ServerArgs:
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(list(argv)))
+
+
+def test_the_loop_defaults_by_device():
+    """event_loop_overlap on CUDA, event_loop_normal on CPU (where it halves throughput)."""
+    assert ServerArgs(device="cpu").disable_overlap_schedule is True
+    assert ServerArgs(device="cuda").disable_overlap_schedule is False
+    assert ServerArgs().disable_overlap_schedule is (not torch.cuda.is_available())
+    assert ServerArgs(device="cpu", disable_overlap_schedule=False).disable_overlap_schedule is False
+    assert ServerArgs(device="cuda", disable_overlap_schedule=True).disable_overlap_schedule is True
+
+
+def test_overlap_flags_on_the_command_line(capsys):
+    assert parse("--device", "cpu").disable_overlap_schedule is True
+    assert parse("--device", "cpu", "--enable-overlap-schedule").disable_overlap_schedule is False
+    assert parse("--device", "cuda", "--disable-overlap-schedule").disable_overlap_schedule is True
+    with pytest.raises(SystemExit):
+        parse("--enable-overlap-schedule", "--disable-overlap-schedule")
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_the_engine_runs_the_loop_it_was_given():
+    assert Engine("tiny-random", device="cpu").scheduler.enable_overlap is False
+    engine = Engine("tiny-random", device="cpu", disable_overlap_schedule=False)
+    assert engine.scheduler.enable_overlap is True
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3, "temperature": 0})
+    assert len(out["output_ids"]) == 3
