@@ -2,8 +2,7 @@
 layers/attention/torch_native_backend.py).
 
 Each request is handled on its own: its K/V are gathered through
-``req_to_token[req_pool_idx, :seq_len]`` (all requests' slots in one gather per layer),
-so one batch can mix requests with any
+``req_to_token[req_pool_idx, :seq_len]``, so one batch can mix requests with any
 prefix and extend lengths. A new row at position p sees keys 0..p (its cached prefix
 plus the new rows before it). Per-request computation also keeps the result of a
 request independent of what else is in the batch.
@@ -28,8 +27,7 @@ if TYPE_CHECKING:
 class _ReqView:
     q_start: int
     q_len: int
-    kv_start: int  # where this request's keys start in the batch's gathered K/V
-    seq_len: int
+    slots: torch.Tensor  # KV slots of positions 0..seq_len-1
     mask: torch.Tensor | None  # [q_len, seq_len] causal mask, None for a single row
 
 
@@ -51,19 +49,15 @@ class TorchNativeAttnBackend(AttentionBackend):
             q_lens = forward_batch.extend_seq_lens_cpu
             q_starts = forward_batch.extend_start_loc.tolist()
             prefixes = forward_batch.extend_prefix_lens_cpu
-        views, slots, kv_start = [], [], 0
+        views = []
         for i, (idx, seq_len) in enumerate(zip(forward_batch.req_pool_indices.tolist(), forward_batch.seq_lens_cpu)):
             n, prefix = q_lens[i], prefixes[i]
             mask = None
             if n > 1:
                 rows = torch.arange(n, device=device)[:, None] + prefix
                 mask = torch.arange(seq_len, device=device)[None, :] <= rows
-            views.append(_ReqView(q_starts[i], n, kv_start, seq_len, mask))
-            slots.append(req_to_token[idx, :seq_len])
-            kv_start += seq_len
+            views.append(_ReqView(q_starts[i], n, req_to_token[idx, :seq_len], mask))
         self._views = views
-        # every request's KV slots end to end: each layer gathers its K and V once
-        self._slots = torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64, device=device)
 
     def _attend(self, q: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
         pool = forward_batch.token_to_kv_pool
@@ -71,16 +65,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         v_buf = pool.get_value_buffer(layer.layer_id)
         gqa = layer.tp_q_head_num != layer.tp_k_head_num
         out = torch.empty_like(q)
-        k_all = k_buf[self._slots].transpose(0, 1)  # [KVH, total kv, D]
-        v_all = v_buf[self._slots].transpose(0, 1)
-        q_all = q.to(k_all.dtype).transpose(0, 1)  # [H, rows, D]
-        o_all = out.transpose(0, 1)  # a view: writing it fills out
         for view in self._views:
-            start, n, kv, seq = view.q_start, view.q_len, view.kv_start, view.seq_len
-            oi = F.scaled_dot_product_attention(q_all[None, :, start : start + n], k_all[None, :, kv : kv + seq],
-                                                v_all[None, :, kv : kv + seq], attn_mask=view.mask,
-                                                scale=layer.scaling, enable_gqa=gqa)
-            o_all[:, start : start + n] = oi[0]
+            start, n = view.q_start, view.q_len
+            qi = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            ki = k_buf[view.slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, seq, D]
+            vi = v_buf[view.slots].transpose(0, 1).unsqueeze(0)
+            oi = F.scaled_dot_product_attention(qi.to(ki.dtype), ki, vi, attn_mask=view.mask, scale=layer.scaling,
+                                                enable_gqa=gqa)
+            out[start : start + n] = oi.squeeze(0).transpose(0, 1).to(q.dtype)
         return out
 
     def forward_extend(self, q, k, v, layer, forward_batch):  # noqa: ANN001
