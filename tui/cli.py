@@ -65,7 +65,12 @@ def _replay(path: str) -> int:
         print(f"error: cannot read {path}: {e.strerror}", file=sys.stderr)
         return 1
     except (ValueError, KeyError, TypeError) as e:
-        msg = e.msg if isinstance(e, json.JSONDecodeError) else repr(e)
+        if isinstance(e, json.JSONDecodeError):
+            msg = e.msg
+        elif isinstance(e, KeyError):
+            msg = f"an event has no {e.args[0]!r} field"
+        else:
+            msg = str(e)
         print(f"error: {path} is not an sglite recording (--record writes one): {msg}", file=sys.stderr)
         return 1
     views, builder = build_views(events)

@@ -215,6 +215,9 @@ def test_replay_command_line_errors(tmp_path):
     bad.write_text("not json\n")
     proc = run("--replay", str(bad))
     assert proc.returncode == 1 and "not an sglite recording" in proc.stderr and proc.stderr.count("\n") == 1
+    bad.write_text('{"x": 1}\n')
+    proc = run("--replay", str(bad))
+    assert proc.returncode == 1 and "an event has no 'kind' field" in proc.stderr and proc.stderr.count("\n") == 1
     proc = run("--workload", "nope")
     assert proc.returncode == 2 and "unknown workload" in proc.stderr
 
