@@ -110,12 +110,20 @@ class ServerArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
-def _on_cuda(device: str) -> bool:
-    if device == "auto":
-        import torch
+def resolve_device(device: str) -> str:
+    """``auto`` -> cuda when torch sees a CUDA device, else cpu."""
+    import torch
 
-        return torch.cuda.is_available()
-    return device.startswith("cuda")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch sees no CUDA device")
+    return device
+
+
+def _on_cuda(device: str) -> bool:
+    """Whether ``device`` means CUDA; unlike resolve_device it does not check one is there."""
+    return (resolve_device(device) if device == "auto" else device).startswith("cuda")
 
 
 def _parse_type(annotation: Any) -> Any:

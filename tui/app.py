@@ -18,7 +18,7 @@ from textual.coordinate import Coordinate
 from textual.widgets import DataTable, Footer, Header, Input, RichLog, Sparkline, Static, Tree
 
 from sglite.server_args import SCHEDULE_POLICIES
-from tui.state import ReqInfo, View, ViewBuilder
+from tui.state import LOG_KEEP, ReqInfo, View, ViewBuilder
 
 UI_INTERVAL = 0.05  # seconds between looks for a new view: at most 20 updates a second
 REPLAY_SPEED = 10  # iterations a second while a replay plays
@@ -52,7 +52,7 @@ class LiveFeed:
             self.latest = new
         elif self.builder.log and self.latest is not None and len(self.builder.log) != self.latest.log_total:
             # a log line without an iteration (a submit, a policy change): show it now
-            self.latest.log, self.latest.log_total = self.builder.log[-200:], len(self.builder.log)
+            self.latest.log, self.latest.log_total = self.builder.log[-LOG_KEEP:], len(self.builder.log)
             new = self.latest
         return new
 

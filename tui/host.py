@@ -79,11 +79,7 @@ class EngineHost:
         return True
 
     def _set_policy(self, name: str) -> None:
-        from sglite.managers.schedule_policy import SchedulePolicy
-
-        s = self.engine.scheduler
-        s.server_args.schedule_policy = name
-        s.policy = SchedulePolicy(name, s.tree_cache, s.server_args.random_seed)
+        self.engine.scheduler.set_schedule_policy(name)
         self._log(f"policy -> {name}")
 
     def _add_workload(self, name: str) -> None:

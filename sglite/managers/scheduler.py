@@ -56,7 +56,7 @@ class Scheduler:
         else:
             self.tree_cache = RadixCache(self.req_to_token_pool, self.token_to_kv_pool_allocator,
                                          self.page_size, event_bus=self.event_bus)
-        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.random_seed)
+        self.set_schedule_policy(server_args.schedule_policy)
 
         self.waiting_queue: list[Req] = []
         self.running_batch: ScheduleBatch = self._new_batch([])
@@ -619,6 +619,11 @@ class Scheduler:
             )
         outputs, self._outputs = self._outputs, []
         return outputs
+
+    def set_schedule_policy(self, name: str) -> None:
+        """Order the waiting_queue by ``name`` from the next admission on (the TUI's policy key)."""
+        self.server_args.schedule_policy = name
+        self.policy = SchedulePolicy(name, self.tree_cache, self.server_args.random_seed)
 
     def _emit_snapshot(self) -> None:
         waiting = tuple((r.rid, len(r.origin_input_ids), len(r.prefix_indices)) for r in self.waiting_queue)

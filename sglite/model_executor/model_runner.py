@@ -16,19 +16,11 @@ from sglite.layers.sampler import Sampler
 from sglite.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from sglite.model_executor.forward_batch_info import ForwardBatch
 from sglite.models.llama import LlamaForCausalLM
-from sglite.server_args import ServerArgs
+from sglite.server_args import ServerArgs, resolve_device
 
 logger = logging.getLogger("sglite")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but torch sees no CUDA device")
-    return device
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
