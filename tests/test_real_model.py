@@ -79,6 +79,33 @@ def test_greedy_continuations_match_transformers(hf, engine):
         assert out["output_ids"] == ref, prompt
 
 
+def test_chats_sharing_a_system_prompt_match_transformers(hf, engine, monkeypatch):
+    """Decode rounds where the chats' cached system prompt is attended to once for all
+    of them (torch_native's shared-prefix path) give transformers' greedy tokens."""
+    model, tok = hf
+    system = " ".join(["You are a careful assistant who answers in one short sentence."] * 12)
+    questions = ["What is the capital of Italy?", "Name a primary color.", "What is 2 + 2?", "What color is the sky?"]
+    prompts = [tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}],
+                                       tokenize=False, add_generation_prompt=True) for q in questions]
+    backend = engine.scheduler.model_runner.attn_backend
+    grouped = []
+    plan = backend.init_forward_metadata
+
+    def spy(fb):  # noqa: ANN001
+        plan(fb)
+        grouped.append(sum(g.q_rows.numel() for g in backend._groups))
+
+    monkeypatch.setattr(backend, "init_forward_metadata", spy)
+    outs = engine.generate(prompts, sampling_params={"max_new_tokens": 16, "temperature": 0, "ignore_eos": True})
+    assert max(grouped) == len(prompts)  # every chat's decode row read the prefix together
+    for prompt, out in zip(prompts, outs):
+        ids = tok.encode(prompt, add_special_tokens=False)
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                                 pad_token_id=2)[0, len(ids):].tolist()
+        assert out["output_ids"] == ref, prompt
+
+
 def test_chat_capital_of_france(engine):
     out = engine.generate(messages=CHAT, sampling_params={"max_new_tokens": 32, "temperature": 0})
     assert out["text"] == "The capital of France is Paris."
