@@ -13,8 +13,11 @@ A screen update draws a new iteration, so the screen cannot update more often th
 engine finishes iterations: the update goal is 10 a second, or every iteration when
 the engine makes fewer than 10 a second (smollm2 on 2 cores makes about 3).
 
-    python benchmarks/tui_overhead.py                      # smollm2-135m, pool-pressure
-    python benchmarks/tui_overhead.py --model tiny-random  # about 100 iterations/s
+    python benchmarks/tui_overhead.py                                  # smollm2-135m, pool-pressure
+    python benchmarks/tui_overhead.py --model tiny-random --repeat 20  # hundreds of iterations/s
+
+``--repeat N`` submits the workload N times, a copy every ``--every`` iterations, so a
+fast model runs for seconds rather than a fraction of one.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from sglite import events as ev  # noqa: E402
 from sglite.engine import Engine  # noqa: E402
 from tui.app import UI_INTERVAL, LiveFeed, SchedulerApp  # noqa: E402
 from tui.host import serve_in_process  # noqa: E402
-from tui.workloads import builtin  # noqa: E402
+from tui.workloads import BUILTIN, Arrival, Workload, builtin  # noqa: E402
 
 
 @dataclass
@@ -50,15 +53,23 @@ class Run:
         return self.tokens / self.seconds
 
 
-def engine_kwargs(model: str, workload: str) -> dict:
-    return {"model_path": model, "log_level": "error", **builtin(workload).server_args}
+def repeated(name: str, times: int, every: int) -> Workload:
+    """The built-in workload ``name``, submitted ``times`` times, a copy every ``every`` iterations."""
+    wl = builtin(name)
+    arrivals = [Arrival(**{**a.__dict__, "at": a.at + k * every}) for k in range(times) for a in wl.arrivals]
+    label = wl.name if times == 1 else f"{wl.name} x{times} (every {every} iterations)"
+    return Workload(label, wl.description, arrivals, wl.server_args)
 
 
-def without_tui(model: str, workload: str) -> Run:
+def engine_kwargs(model: str, workload: Workload) -> dict:
+    return {"model_path": model, "log_level": "error", **workload.server_args}
+
+
+def without_tui(model: str, workload: Workload) -> Run:
     """The host's loop (arrivals by iteration, one step at a time) with no viewer."""
     engine = Engine(**engine_kwargs(model, workload))
     engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})  # warm up
-    pending = sorted(builtin(workload).arrivals, key=lambda a: a.at)
+    pending = sorted(workload.arrivals, key=lambda a: a.at)
     tokens, start = 0, engine.scheduler.iteration
     tic = time.perf_counter()
     while pending or engine.scheduler.has_work():
@@ -73,11 +84,11 @@ def without_tui(model: str, workload: str) -> Run:
     return Run(seconds, tokens, engine.scheduler.iteration - start)
 
 
-def with_tui(model: str, workload: str) -> Run:
+def with_tui(model: str, workload: Workload) -> Run:
     conn = serve_in_process(engine_kwargs(model, workload), workload, paused=True)
     feed = LiveFeed(conn, conn.wait_ready())
     app = SchedulerApp(feed, title="benchmark", paused=True)
-    n_reqs = len(builtin(workload).arrivals)
+    n_reqs = len(workload.arrivals)
     iterations: list[ev.IterationFinished] = []
     real_apply = feed.builder.apply
 
@@ -119,24 +130,29 @@ def with_tui(model: str, workload: str) -> Run:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--workload", default="pool-pressure")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workload", default="pool-pressure", choices=BUILTIN)
+    ap.add_argument("--repeat", type=int, default=1, help="submit the workload this many times (default 1)")
+    ap.add_argument("--every", type=int, default=100, help="iterations between copies with --repeat (default 100)")
+    ap.add_argument("--repeats", type=int, default=3, help="alternating runs of each side; medians compared")
     args = ap.parse_args()
+    if args.repeat < 1 or args.every < 0:
+        ap.error("--repeat must be >= 1 and --every >= 0")
+    workload = repeated(args.workload, args.repeat, args.every)
     alone: list[Run] = []
     shown: list[Run] = []
     with multiprocessing.get_context("spawn").Pool(1) as pool:  # a process of its own, like the TUI's engine
         for i in range(args.repeats):
             print(f"[{i + 1}/{args.repeats}] engine alone ...", file=sys.stderr, flush=True)
-            alone.append(pool.apply(without_tui, (args.model, args.workload)))
+            alone.append(pool.apply(without_tui, (args.model, workload)))
             print(f"[{i + 1}/{args.repeats}] engine + TUI ...", file=sys.stderr, flush=True)
-            shown.append(with_tui(args.model, args.workload))
+            shown.append(with_tui(args.model, workload))
     a = statistics.median(r.tok_s for r in alone)
     b = statistics.median(r.tok_s for r in shown)
     ratio = b / a
     ups = statistics.median(r.updates / r.updates_seconds for r in shown)
     its = statistics.median(r.iterations / r.seconds for r in shown)
     need = min(10.0, its)
-    print(f"model {args.model}, workload {args.workload}, median of {args.repeats}")
+    print(f"model {args.model}, workload {workload.name}, median of {args.repeats}")
     print(f"{'':<16}{'tok/s (each run)':>34}{'median':>9}")
     for name, runs, med in (("engine alone", alone, a), ("engine + TUI", shown, b)):
         print(f"{name:<16}{'  '.join(f'{r.tok_s:6.1f}' for r in runs):>34}{med:>9.1f}")

@@ -101,7 +101,10 @@ class EventBus:
         if not self.active:
             return
         fields.setdefault("iteration", self.iteration)
-        event = event_cls(**fields)
+        self.publish(event_cls(**fields))
+
+    def publish(self, event: "Event") -> None:
+        """Hand a built event to every subscriber."""
         for fn in tuple(self._subscribers):
             fn(event)
 

@@ -58,18 +58,22 @@ class LiveFeed:
 
 
 def _set_rows(table: DataTable, rows: list[tuple]) -> None:
-    """Show ``rows``, touching only what changed: clearing a table makes Textual lay out
-    and render every line again, which is most of what a frame costs."""
-    old = [tuple(table.get_row_at(i)) for i in range(table.row_count)]
+    """Show ``rows``, touching only what changed: clearing a table makes Textual measure,
+    lay out and render every line again, which was most of what a frame cost. Rows are
+    positions: a request that leaves shifts the rows below it, cell by cell. Columns
+    widen for a wider value and never narrow (narrowing re-measures the whole column)."""
     rows = [tuple(r) for r in rows]
-    if [r[0] for r in old] != [r[0] for r in rows]:  # requests came, went or moved
-        table.clear()
-        table.add_rows(rows)
-        return
+    old = [tuple(table.get_row_at(i)) for i in range(table.row_count)]
+    columns = table.ordered_columns
     for i, (before, after) in enumerate(zip(old, rows)):
         for j, (a, b) in enumerate(zip(before, after)):
             if a != b:
-                table.update_cell_at(Coordinate(i, j), b)
+                wider = len(str(b)) > columns[j].content_width
+                table.update_cell_at(Coordinate(i, j), b, update_width=wider)
+    if len(rows) > len(old):
+        table.add_rows(rows[len(old):])
+    for i in range(len(old) - 1, len(rows) - 1, -1):
+        table.remove_row(table.coordinate_to_cell_key(Coordinate(i, 0)).row_key)
 
 
 class DetailScreen(ModalScreen):
@@ -155,6 +159,7 @@ class SchedulerApp(App):
         self.updates = 0
         self._log_shown = 0
         self._tree_key: Any = None
+        self._pool_lines = -1  # lines the pool panel showed last
         self._input_mode = "prompt"
         self._ticks = 0
 
@@ -264,6 +269,7 @@ class SchedulerApp(App):
         if not v.has_snapshots:
             pool.update("this recording has no scheduler snapshots:\nrecord with --record to see the queues,"
                         " the pool and the tree")
+            self._pool_lines = -1
             return
         used = v.pool_total - v.pool_free - v.pool_evictable
         width = max(10, min(40, pool.size.width - 1))
@@ -271,10 +277,13 @@ class SchedulerApp(App):
         bar_cache = round(width * v.pool_evictable / max(v.pool_total, 1))
         bar = "[red]" + "█" * bar_used + "[/][yellow]" + "▒" * bar_cache + "[/]" + "·" * (width - bar_used - bar_cache)
         self.query_one("#poolbox").border_title = f"KV pool: {v.pool_total} tokens"
-        pool.update(
-            f"{bar}\nused {used} free {v.pool_free}\ncached {v.pool_evictable} usage {v.token_usage:.2f}\n"
-            f"hit {v.cache_hit_rate:.2f} retracted {v.retractions}\nratio {v.new_token_ratio:.3f} {v.policy}\n"
-            f"stop {v.admission_stop or '-'}\n{v.throughput:.1f} tok/s done {v.finished}")
+        text = (f"{bar}\nused {used} free {v.pool_free}\ncached {v.pool_evictable} usage {v.token_usage:.2f}\n"
+                f"hit {v.cache_hit_rate:.2f} retracted {v.retractions}\nratio {v.new_token_ratio:.3f} {v.policy}\n"
+                f"stop {v.admission_stop or '-'}\n{v.throughput:.1f} tok/s done {v.finished}")
+        # the same number of lines (no wrapping): the panel keeps its size, so no layout pass
+        lines = text.count("\n")
+        pool.update(text, layout=lines != self._pool_lines)
+        self._pool_lines = lines
         self.query_one("#hit", Sparkline).data = v.hit_rate_history or [0.0]
         self.query_one("#tput", Sparkline).data = v.throughput_history or [0.0]
 

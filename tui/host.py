@@ -4,10 +4,18 @@ workload). ``sglite tui`` runs it in a process of its own, as SGLang runs its
 scheduler, so drawing never competes with the engine for the interpreter; tests run the
 same loop on a thread, or call ``step()`` by hand.
 
-Messages to the screen: ``("events", [Event, ...])`` once per iteration, ``("log",
-text)``, ``("ready", info)`` once the model is loaded, ``("error", text)``.
+Messages to the screen: ``("events", [Event, ...])``, ``("log", text)``, ``("ready", info)`` once the model is loaded, ``("error", text)``.
 Commands from it: ``("run",)``, ``("pause",)``, ``("step",)``, ``("submit", kwargs)``,
 ``("policy", name)``, ``("workload", name_or_path)``, ``("quit",)``.
+
+While running, the host ships the events of every iteration, but at most every
+``SHIP_INTERVAL`` seconds, and builds a ``SchedulerSnapshot`` only for the newest
+iteration of each shipment: the screen draws only the newest view, and on a fast engine
+(tiny-random makes hundreds of iterations a second) a snapshot pickled to the screen
+every iteration cost the engine more than the rest of its events. A step while paused,
+a pause, any command and running out of work ship at once. A recording (``--record``)
+still gets a snapshot every iteration: the scheduler emits those to it, and the host
+passes them on.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import os
 import queue
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -25,6 +34,7 @@ from sglite import events as ev
 from tui.workloads import Arrival, Workload, load
 
 IDLE_POLL = 0.05  # seconds to wait for a command while paused or idle
+SHIP_INTERVAL = 0.05  # seconds between shipments while running (tui.app.UI_INTERVAL)
 
 
 class EngineHost:
@@ -34,7 +44,8 @@ class EngineHost:
         self.pending: list[Arrival] = sorted(workload.arrivals, key=lambda a: a.at)
         self.running = not paused
         self._events: list[ev.Event] = []
-        engine.event_bus.subscribe(self._events.append, snapshots=True)
+        self._shipped_at = time.monotonic()
+        engine.event_bus.subscribe(self._events.append)
 
     def _log(self, text: str) -> None:
         self.outbox.put(("log", text))
@@ -51,10 +62,28 @@ class EngineHost:
                                                 "ignore_eos": a.ignore_eos})
 
     def step(self) -> None:
-        """One scheduler iteration; its events go to the screen as one message."""
+        """One scheduler iteration, shipped to the screen at once."""
+        self._iterate()
+        self.ship()
+
+    def _iterate(self) -> None:
         self.submit_arrivals()
         self.engine.step()
+
+    def ship(self) -> None:
+        """Send the events since the last shipment as one message, the newest iteration
+        with a snapshot of the scheduler (built now, between iterations, when the scheduler
+        did not emit one: the state after an iteration is the state until the next)."""
+        self._shipped_at = time.monotonic()
+        if not self._events:
+            return
         events, self._events[:] = list(self._events), []
+        last = next((i for i in range(len(events) - 1, -1, -1) if isinstance(events[i], ev.IterationFinished)), None)
+        if last is not None:
+            it = events[last].iteration
+            has_snapshot = any(isinstance(e, ev.SchedulerSnapshot) and e.iteration == it for e in events[:last])
+            if not has_snapshot:
+                events.insert(last, self.engine.scheduler.snapshot())
         self.outbox.put(("events", events))
 
     def handle(self, cmd: tuple) -> bool:
@@ -103,11 +132,14 @@ class EngineHost:
             except queue.Empty:
                 cmd = None
             if cmd is not None:
+                self.ship()  # what ran before the command, as it was
                 if not self.handle(cmd):
                     return
                 continue
             if self.running and not self.idle():
-                self.step()
+                self._iterate()
+                if self.idle() or time.monotonic() - self._shipped_at >= SHIP_INTERVAL:
+                    self.ship()
 
 
 class HostConnection:
@@ -162,12 +194,13 @@ def serve_in_thread(engine: Any, workload: Workload, paused: bool = False) -> Ho
     return HostConnection(inbox, outbox, thread)
 
 
-def serve_in_process(engine_kwargs: dict[str, Any], workload_name: str, paused: bool,
+def serve_in_process(engine_kwargs: dict[str, Any], workload: str | Workload, paused: bool,
                      viewer_args: Any = None) -> HostConnection:
-    """The host loop in a new process that loads the model itself."""
+    """The host loop in a new process that loads the model itself. ``workload``: a name
+    or file for ``tui.workloads.load``, or a Workload."""
     ctx = multiprocessing.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_process_main, args=(engine_kwargs, workload_name, paused, viewer_args, inbox, outbox),
+    proc = ctx.Process(target=_process_main, args=(engine_kwargs, workload, paused, viewer_args, inbox, outbox),
                        daemon=True, name="sglite-engine")
     proc.start()
     return HostConnection(inbox, outbox, proc)
@@ -195,14 +228,15 @@ def _leave_a_core_for_the_screen() -> None:
     torch.set_num_threads(max(1, min(torch.get_num_threads(), cores - 1)))
 
 
-def _process_main(engine_kwargs: dict[str, Any], workload_name: str, paused: bool, viewer_args: Any,
+def _process_main(engine_kwargs: dict[str, Any], workload: str | Workload, paused: bool, viewer_args: Any,
                   inbox: Any, outbox: Any) -> None:
     close = None
     try:
         _leave_a_core_for_the_screen()
         from sglite.engine import Engine
 
-        workload = load(workload_name)
+        if isinstance(workload, str):
+            workload = load(workload)
         engine = Engine(**engine_kwargs)
         if viewer_args is not None:
             from sglite.cli import attach_viewers

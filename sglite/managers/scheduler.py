@@ -604,7 +604,7 @@ class Scheduler:
             self.self_check_during_idle()
         self.last_batch = batch
         if self.bus.wants_snapshots:
-            self._emit_snapshot()
+            self.bus.publish(self.snapshot(full_tree=False))
         else:
             self._last_tree_snapshot = None  # a later snapshot subscriber gets the whole tree
         if self.bus.active:
@@ -625,21 +625,25 @@ class Scheduler:
         self.server_args.schedule_policy = name
         self.policy = SchedulePolicy(name, self.tree_cache, self.server_args.random_seed)
 
-    def _emit_snapshot(self) -> None:
+    def snapshot(self, full_tree: bool = True) -> ev.SchedulerSnapshot:
+        """A SchedulerSnapshot of the state now (between iterations it is the state after
+        the last one). ``full_tree=False`` leaves the tree out when it has not changed since
+        the previous such snapshot (the per-iteration stream does that)."""
         waiting = tuple((r.rid, len(r.origin_input_ids), len(r.prefix_indices)) for r in self.waiting_queue)
         running = tuple((r.rid, r.seqlen, len(r.output_ids), r.sampling_params.max_new_tokens)
                         for r in self.running_reqs())
         tree = tuple((n["id"], -1 if n["parent_id"] is None else n["parent_id"], n["key_len"], tuple(n["key_head"]),
                       n["lock_ref"], n["access_seq"], n["hit_count"]) for n in self.tree_cache.snapshot())
-        changed = tree != self._last_tree_snapshot
-        self._last_tree_snapshot = tree
-        self.bus.emit(ev.SchedulerSnapshot, waiting=waiting, running=running,
-                      chunked_rid=self.chunked_req.rid if self.chunked_req is not None else "",
-                      pool_total=self.max_total_num_tokens,
-                      pool_free=self.token_to_kv_pool_allocator.available_size(),
-                      pool_evictable=self.tree_cache.evictable_size(), tree=tree if changed else None,
-                      matched_node=self.last_matched_node_id, policy=self.server_args.schedule_policy,
-                      overlap=self.enable_overlap)
+        if not full_tree:
+            changed = tree != self._last_tree_snapshot
+            self._last_tree_snapshot = tree
+            tree = tree if changed else None
+        return ev.SchedulerSnapshot(
+            iteration=self.iteration, waiting=waiting, running=running,
+            chunked_rid=self.chunked_req.rid if self.chunked_req is not None else "",
+            pool_total=self.max_total_num_tokens, pool_free=self.token_to_kv_pool_allocator.available_size(),
+            pool_evictable=self.tree_cache.evictable_size(), tree=tree, matched_node=self.last_matched_node_id,
+            policy=self.server_args.schedule_policy, overlap=self.enable_overlap)
 
     def shutdown(self) -> None:
         """Finish the round in flight (overlap) and stop the forward worker."""

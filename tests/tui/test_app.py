@@ -119,6 +119,82 @@ def test_views_match_the_scheduler_at_every_iteration(overlap):
     assert view.finished == len(WORKLOAD.arrivals) and view.retractions > 0
 
 
+def shipments_until_idle(conn: HostConnection, engine: Engine, timeout: float = 120.0) -> list[list[ev.Event]]:
+    import time
+
+    out, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out += [evs for kind, evs in conn.drain() if kind == "events"]
+        done = out and sum(isinstance(e, ev.ReqFinished) for evs in out for e in evs) == len(WORKLOAD.arrivals)
+        if done:
+            return out
+        time.sleep(0.02)
+    raise AssertionError("the host did not finish the workload")
+
+
+def test_running_host_ships_every_iteration_with_one_snapshot_per_shipment(monkeypatch):
+    """Running freely, the host batches iterations into shipments; every iteration's events
+    arrive, and the newest iteration of each shipment has a snapshot equal to what the
+    scheduler emits itself (the screen draws only that one)."""
+    import tui.host
+
+    monkeypatch.setattr(tui.host, "SHIP_INTERVAL", 3600.0)  # ship only when the work runs out
+    engine = make_engine()
+    conn = serve_in_thread(engine, WORKLOAD, paused=False)
+    try:
+        conn.wait_ready()
+        shipments = shipments_until_idle(conn, engine)
+    finally:
+        conn.close()
+    assert len(shipments) == 1
+    (events,) = shipments
+    done = [e.iteration for e in events if isinstance(e, ev.IterationFinished)]
+    assert done == list(range(1, engine.scheduler.iteration + 1)) and len(done) > 50
+    snaps = [e for e in events if isinstance(e, ev.SchedulerSnapshot)]
+    assert [s.iteration for s in snaps] == [done[-1]] and events[-2] is snaps[0]
+    builder = ViewBuilder()
+    views = [v for v in map(builder.apply, events) if v is not None]
+    assert [v.has_snapshots for v in views] == [False] * (len(views) - 1) + [True]
+    assert views[-1].finished == len(WORKLOAD.arrivals) and views[-1].running == [] and views[-1].waiting == []
+    # the same state the scheduler reports to a snapshot subscriber of its own
+    log = ev.EventLog()
+    engine.event_bus.subscribe(log, snapshots=True)
+    engine.step()
+    (own,) = log.of(ev.SchedulerSnapshot)
+    fields = ("waiting", "running", "pool_free", "pool_evictable", "tree", "matched_node", "policy")
+    assert {f: getattr(own, f) for f in fields} == {f: getattr(snaps[0], f) for f in fields}
+
+
+def test_a_pause_ships_what_ran_before_it():
+    """Whatever iterations ran before a command reach the screen at once, the newest with
+    a snapshot of the state the engine then holds still."""
+    engine = make_engine()
+    conn = serve_in_thread(engine, WORKLOAD, paused=False)
+    try:
+        conn.wait_ready()
+        import time
+
+        time.sleep(0.05)
+        conn.send("pause")
+        builder, last = ViewBuilder(), None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for kind, evs in conn.drain():
+                for v in map(builder.apply, evs) if kind == "events" else ():
+                    if v is not None:
+                        last = v
+            if last is not None and last.iteration == engine.scheduler.iteration:
+                break
+            time.sleep(0.05)
+        time.sleep(0.2)  # nothing runs while paused
+        assert conn.drain() == [] and last.iteration == engine.scheduler.iteration and last.has_snapshots
+        sched = engine.scheduler
+        assert [r[0] for r in last.running] == [r.rid for r in sched.running_reqs()]
+        assert [w[0] for w in last.waiting] == [r.rid for r in sched.waiting_queue]
+    finally:
+        conn.close()
+
+
 def test_keys_step_pause_add_prompt_policy_and_workload():
     async def scenario():
         engine = make_engine()
