@@ -161,8 +161,21 @@ class HostConnection:
         return out
 
     def wait_ready(self, timeout: float = 600.0) -> dict[str, Any]:
-        """Block until the engine is loaded; raises RuntimeError with its error."""
-        msg = self.outbox.get(timeout=timeout)
+        """Block until the engine is loaded; raises RuntimeError with its error, when its
+        process dies without one (killed, out of memory), or after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                msg = self.outbox.get(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
+                break
+            except queue.Empty:
+                alive = getattr(self.worker, "is_alive", None)
+                if alive is not None and not alive():
+                    code = getattr(self.worker, "exitcode", None)
+                    raise RuntimeError("the engine process exited before it was ready"
+                                       + (f" (exit code {code})" if code is not None else "")) from None
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"the engine was not ready after {timeout:.0f} s") from None
         if msg[0] == "error":
             raise RuntimeError(msg[1])
         assert msg[0] == "ready", msg

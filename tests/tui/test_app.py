@@ -298,6 +298,19 @@ def test_replay_command_line_errors(tmp_path):
     assert proc.returncode == 2 and "unknown workload" in proc.stderr
 
 
+def test_waiting_for_an_engine_that_died_or_hangs_ends_with_an_error():
+    import threading
+
+    dead = threading.Thread(target=lambda: None)
+    dead.start()
+    dead.join()
+    conn = HostConnection(queue.Queue(), queue.Queue(), dead)
+    with pytest.raises(RuntimeError, match="exited before it was ready"):
+        conn.wait_ready(timeout=30)
+    with pytest.raises(RuntimeError, match="not ready after 0 s"):
+        HostConnection(queue.Queue(), queue.Queue()).wait_ready(timeout=0.2)
+
+
 def test_engine_process_runs_and_reports_load_errors(tmp_path):
     conn = serve_in_process({"model_path": str(tmp_path / "missing.gguf"), "log_level": "error"}, "steady", True)
     with pytest.raises(RuntimeError) as err:
