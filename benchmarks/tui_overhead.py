@@ -37,7 +37,7 @@ from sglite import events as ev  # noqa: E402
 from sglite.engine import Engine  # noqa: E402
 from tui.app import UI_INTERVAL, LiveFeed, SchedulerApp  # noqa: E402
 from tui.host import serve_in_process  # noqa: E402
-from tui.workloads import BUILTIN, Arrival, Workload, builtin  # noqa: E402
+from tui.workloads import BUILTIN, Workload, builtin  # noqa: E402
 
 
 @dataclass
@@ -56,7 +56,7 @@ class Run:
 def repeated(name: str, times: int, every: int) -> Workload:
     """The built-in workload ``name``, submitted ``times`` times, a copy every ``every`` iterations."""
     wl = builtin(name)
-    arrivals = [Arrival(**{**a.__dict__, "at": a.at + k * every}) for k in range(times) for a in wl.arrivals]
+    arrivals = [a for k in range(times) for a in wl.shifted(k * every)]
     label = wl.name if times == 1 else f"{wl.name} x{times} (every {every} iterations)"
     return Workload(label, wl.description, arrivals, wl.server_args)
 

@@ -4,7 +4,8 @@ workload). ``sglite tui`` runs it in a process of its own, as SGLang runs its
 scheduler, so drawing never competes with the engine for the interpreter; tests run the
 same loop on a thread, or call ``step()`` by hand.
 
-Messages to the screen: ``("events", [Event, ...])``, ``("log", text)``, ``("ready", info)`` once the model is loaded, ``("error", text)``.
+Messages to the screen: ``("events", [Event, ...])``, ``("log", text)``, ``("ready",
+info)`` once the model is loaded, ``("error", text)``.
 Commands from it: ``("run",)``, ``("pause",)``, ``("step",)``, ``("submit", kwargs)``,
 ``("policy", name)``, ``("workload", name_or_path)``, ``("quit",)``.
 
@@ -118,7 +119,7 @@ class EngineHost:
             self._log(f"[red]error[/] {e}")
             return
         now = self.engine.scheduler.iteration
-        arrivals = [Arrival(**{**a.__dict__, "at": a.at + now}) for a in wl.arrivals]
+        arrivals = wl.shifted(now)
         self.pending = sorted(self.pending + arrivals, key=lambda a: a.at)
         self._log(f"workload {wl.name}: {len(arrivals)} requests")
 

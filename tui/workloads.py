@@ -4,6 +4,7 @@ optional "max_new_tokens"."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from dataclasses import dataclass, field
@@ -34,6 +35,10 @@ class Workload:
     description: str
     arrivals: list[Arrival]
     server_args: dict[str, Any] = field(default_factory=dict)  # what the scenario needs (a small pool...)
+
+    def shifted(self, by: int) -> list[Arrival]:
+        """The arrivals, each ``by`` iterations later."""
+        return [dataclasses.replace(a, at=a.at + by) for a in self.arrivals]
 
 
 def _chat(q: str) -> list[dict[str, str]]:

@@ -10,12 +10,15 @@ import json
 import queue
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from sglite import events as ev
 from sglite.engine import Engine
 from tui.app import DetailScreen, LiveFeed, SchedulerApp
+import tui.host
 from tui.host import EngineHost, HostConnection, serve_in_process, serve_in_thread
 from tui.state import ViewBuilder, build_views
 from tui.workloads import builtin, load
@@ -119,9 +122,7 @@ def test_views_match_the_scheduler_at_every_iteration(overlap):
     assert view.finished == len(WORKLOAD.arrivals) and view.retractions > 0
 
 
-def shipments_until_idle(conn: HostConnection, engine: Engine, timeout: float = 120.0) -> list[list[ev.Event]]:
-    import time
-
+def shipments_until_idle(conn: HostConnection, timeout: float = 120.0) -> list[list[ev.Event]]:
     out, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
         out += [evs for kind, evs in conn.drain() if kind == "events"]
@@ -136,14 +137,12 @@ def test_running_host_ships_every_iteration_with_one_snapshot_per_shipment(monke
     """Running freely, the host batches iterations into shipments; every iteration's events
     arrive, and the newest iteration of each shipment has a snapshot equal to what the
     scheduler emits itself (the screen draws only that one)."""
-    import tui.host
-
     monkeypatch.setattr(tui.host, "SHIP_INTERVAL", 3600.0)  # ship only when the work runs out
     engine = make_engine()
     conn = serve_in_thread(engine, WORKLOAD, paused=False)
     try:
         conn.wait_ready()
-        shipments = shipments_until_idle(conn, engine)
+        shipments = shipments_until_idle(conn)
     finally:
         conn.close()
     assert len(shipments) == 1
@@ -172,8 +171,6 @@ def test_a_pause_ships_what_ran_before_it():
     conn = serve_in_thread(engine, WORKLOAD, paused=False)
     try:
         conn.wait_ready()
-        import time
-
         time.sleep(0.05)
         conn.send("pause")
         builder, last = ViewBuilder(), None
@@ -299,8 +296,6 @@ def test_replay_command_line_errors(tmp_path):
 
 
 def test_waiting_for_an_engine_that_died_or_hangs_ends_with_an_error():
-    import threading
-
     dead = threading.Thread(target=lambda: None)
     dead.start()
     dead.join()
