@@ -4,16 +4,18 @@ layers/attention/torch_native_backend.py).
 A request's K/V live wherever ``req_to_token[req_pool_idx, :seq_len]`` says. A new row
 at position p sees keys 0..p (its cached prefix plus the new rows before it).
 
-Each request runs on its own: one SDPA over its gathered K/V, with a causal mask when
-it has several new rows; a prefill with no cached prefix reads its new K/V directly
-(nothing to gather; ``is_causal``). The exception is a set of one-row requests (a decode
-batch, the running requests of a MIXED batch) that share the KV slots of a prefix, as
-chats do when the radix cache gives them the same cached system prompt: the prefix's
-K/V are gathered once per layer and all their query rows attend to it in one matmul;
-each request's own remainder is gathered into padded chunks of similar lengths; the
-two partial softmaxes are merged exactly (the log-sum-exp merge of cascade attention in
-FlashInfer and of split-KV decoding). Without it, 64 chats sharing a 300-token prompt
-gather those 300 positions 64 times in every layer of every decode step.
+A request with several new rows (a prefill) runs on its own: one SDPA over its gathered
+K/V with a causal mask, or, with no cached prefix, over its new K/V directly (nothing to
+gather; ``is_causal``). One-row requests (a decode batch, the running requests of a
+MIXED batch) are sorted by length and padded into chunks of similar lengths: one gather
+and one masked SDPA per chunk instead of one per request (on 2 CPU cores a one-row SDPA
+costs about as much per call as per 400 keys). One-row requests that share the KV
+slots of a prefix, as chats do when the radix cache gives them the same cached system
+prompt, go further: the prefix's K/V are gathered once per layer and all their query
+rows attend to it in one matmul; each request's own remainder is gathered into padded
+chunks; the two partial softmaxes are merged exactly (the log-sum-exp merge of cascade
+attention in FlashInfer and of split-KV decoding). Without it, 64 chats sharing a
+300-token prompt gather those 300 positions 64 times in every layer of every decode step.
 
 A request's result does not depend on which others share its batch, up to float
 rounding (a shared prefix changes the order of the sums).
@@ -43,12 +45,12 @@ CHUNK_TOKENS = 4096
 
 @dataclass
 class _ReqView:
-    """A request attended on its own: one SDPA over its K/V."""
+    """A request with several new rows, attended on its own: one SDPA over its K/V."""
 
     q_start: int
     q_len: int
     slots: torch.Tensor | None  # KV slots of positions 0..seq_len-1; None: no prefix, use the new K/V
-    mask: torch.Tensor | None  # [q_len, seq_len] causal mask; None for one row, or with slots=None (is_causal)
+    mask: torch.Tensor | None  # [q_len, seq_len] causal mask; None with slots=None (is_causal)
 
 
 @dataclass
@@ -58,6 +60,15 @@ class _SuffixChunk:
     members: torch.Tensor  # indices into the group
     slots: torch.Tensor  # [n, max_len], padding reads the first slot of the suffix
     pad: torch.Tensor | None  # [n, 1, 1, max_len], True where padding; None when nothing is padded
+
+
+@dataclass
+class _OneRowChunk:
+    """One-row requests attended together: one masked SDPA over their padded K/V."""
+
+    q_rows: torch.Tensor  # [n], the row of q of each
+    slots: torch.Tensor  # [n, max_len]: KV slots of positions 0..seq_len-1, padding reads position 0
+    keep: torch.Tensor | None  # [n, 1, 1, max_len], False where padding; None when nothing is padded
 
 
 @dataclass
@@ -76,6 +87,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         self._views: list[_ReqView] = []
         self._view_rows = torch.empty(0, dtype=torch.int64)  # the rows of q the views cover, in order
         self._groups: list[_SharedPrefixGroup] = []
+        self._chunks: list[_OneRowChunk] = []
 
     # --- per forward -----------------------------------------------------------------
 
@@ -96,18 +108,22 @@ class TorchNativeAttnBackend(AttentionBackend):
         one_row = [i for i in range(bs) if q_lens[i] == 1]
         self._groups, grouped = self._find_shared_prefixes(req_to_token, one_row, pool_indices, seq_lens, q_starts,
                                                            device)
+        alone = [i for i in one_row if i not in grouped]
+        self._chunks = [
+            _OneRowChunk(torch.tensor([q_starts[alone[j]] for j in c.members.tolist()], device=device), c.slots,
+                         None if c.pad is None else ~c.pad)
+            for c in _suffix_chunks(req_to_token, [pool_indices[i] for i in alone], [seq_lens[i] for i in alone],
+                                    0, device)]
         self._views = []
         for i in range(bs):
             n, prefix, seq_len = q_lens[i], prefixes[i], seq_lens[i]
-            if i in grouped or n == 0:
+            if n <= 1:  # one-row requests are in a chunk or a group
                 continue
             if n > 1 and prefix == 0:
                 self._views.append(_ReqView(q_starts[i], n, None, None))
                 continue
-            mask = None
-            if n > 1:
-                rows = torch.arange(n, device=device)[:, None] + prefix
-                mask = torch.arange(seq_len, device=device)[None, :] <= rows
+            rows = torch.arange(n, device=device)[:, None] + prefix
+            mask = torch.arange(seq_len, device=device)[None, :] <= rows
             self._views.append(_ReqView(q_starts[i], n, req_to_token[pool_indices[i], :seq_len], mask))
         self._view_rows = torch.tensor([r for v in self._views for r in range(v.q_start, v.q_start + v.q_len)],
                                        dtype=torch.int64, device=device)
@@ -168,6 +184,12 @@ class TorchNativeAttnBackend(AttentionBackend):
                 attn_mask=view.mask, is_causal=view.slots is None, scale=layer.scaling, enable_gqa=gqa))
         if outs:  # one copy back for all of them
             out.index_copy_(0, self._view_rows, torch.cat(outs, dim=2)[0].transpose(0, 1).to(q.dtype))
+        for chunk in self._chunks:
+            ki, vi = _gather(k_buf, chunk.slots), _gather(v_buf, chunk.slots)  # [n, max_len, KVH, D]
+            o = F.scaled_dot_product_attention(
+                q_heads_first[0, :, chunk.q_rows].transpose(0, 1).unsqueeze(2),  # [n, H, 1, D]
+                ki.transpose(1, 2), vi.transpose(1, 2), attn_mask=chunk.keep, scale=layer.scaling, enable_gqa=gqa)
+            out.index_copy_(0, chunk.q_rows, o[:, :, 0].to(q.dtype))
         for group in self._groups:
             self._attend_shared_prefix(group, q, k_buf, v_buf, layer, out)
         return out

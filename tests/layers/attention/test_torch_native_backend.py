@@ -56,8 +56,18 @@ def test_prefill_with_and_without_prefix(heads, kv_heads):
     check(make_paged_case([0, 7, 0, 30], [5, 4, 1, 9], heads, kv_heads, 16, seed=1))
 
 
-def test_decode_without_sharing():
-    check(make_paged_case([3, 40, 17, 90, 1, 55, 8], [1] * 7, 9, 3, 16, decode=True, seed=2))
+@pytest.mark.parametrize("chunk_tokens", [64, 4096])
+def test_decode_without_sharing(monkeypatch, chunk_tokens):
+    monkeypatch.setattr(tn, "CHUNK_TOKENS", chunk_tokens)
+    case = make_paged_case([3, 40, 17, 90, 1, 55, 8], [1] * 7, 9, 3, 16, decode=True, seed=2)
+    backend = tn.TorchNativeAttnBackend()
+    backend.init_forward_metadata(case.forward_batch)
+    chunks = [c.q_rows.tolist() for c in backend._chunks]
+    # sorted by length (seq_len = prefix + 1), padded to the longest of each chunk
+    assert sorted(r for c in chunks for r in c) == list(range(7)) and not backend._views
+    assert [r for c in chunks for r in c] == [4, 0, 6, 2, 1, 5, 3]
+    assert len(chunks) == (1 if chunk_tokens == 4096 else 5)  # 64: [2, 4, 9] then one each
+    check(case)
 
 
 @pytest.mark.parametrize("chunk_tokens", [64, 4096])
@@ -73,7 +83,7 @@ def test_decode_with_shared_prefixes(monkeypatch, chunk_tokens):
     backend.init_forward_metadata(case.forward_batch)
     groups = sorted((g.q_rows.tolist(), g.prefix_slots.numel()) for g in backend._groups)
     assert groups == [([0, 1, 2, 3], 30), ([4, 6], 20)]
-    assert len(backend._views) == 2  # 5 and 7, one SDPA each
+    assert [r for c in backend._chunks for r in c.q_rows.tolist()] == [5, 7] and not backend._views
     check(case)
 
 
