@@ -33,7 +33,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: python benchmarks/bench.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.report import Row, compare_to_baseline, markdown_table, summarize, write_plots  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    Row, compare_to_baseline, markdown_table, median_run, summarize, write_plots)
 from benchmarks.workloads import WORKLOADS, Workload, build_workload  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -116,6 +117,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads for every engine (default: torch's, "
                    "usually the number of cores)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workloads' prompts")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run every configuration N times, interleaved (A, B, A, B, ...) so a machine whose speed "
+                        "drifts slows every configuration alike; each row is the median run (default: 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -302,6 +306,12 @@ def workload_header(wl: Workload, rows: list[Row], run_args: dict[str, dict[str,
         sweep = ", ".join(f"{b}: {t:.1f}" for b, t in hf.details.get("sweep_tok_s", {}).items())
         lines[-1] += (f" transformers runs static batches of {hf.details.get('batch_size')} (output tok/s of each "
                       f"size's first batch: {sweep}).")
+    repeated = [r for r in rows if r.ok and len(r.runs_output_tok_s) > 1]
+    if repeated:
+        lines.append(f"Each configuration ran {len(repeated[0].runs_output_tok_s)} times, in rounds (every "
+                     "configuration once, then again); a row is its median run. Output tok/s of every run, in "
+                     "order: " + "; ".join(f"{r.label} " + ", ".join(f"{t:.1f}" for t in r.runs_output_tok_s)
+                                          for r in repeated) + ".")
     for r in rows:
         if r.ok and r.details.get("retracted"):
             lines.append(f"{r.label}: {r.details['retracted']} retractions.")
@@ -362,6 +372,8 @@ def run(args: argparse.Namespace, prog: str = "python benchmarks/bench.py", argv
     from sglite.model_loader import ModelLoadError, load_model
 
     tic = time.monotonic()
+    if args.repeat < 1:
+        raise ValueError("--repeat must be at least 1")
     names = list(WORKLOADS) if not args.workload or "all" in args.workload else list(dict.fromkeys(args.workload))
     chosen = select_ablations(args.ablations)
     threads = args.threads or torch.get_num_threads()
@@ -406,19 +418,26 @@ def run(args: argparse.Namespace, prog: str = "python benchmarks/bench.py", argv
 
     results: dict[str, tuple[Workload, list[Row]]] = {wl.name: (wl, []) for wl in workloads}
     run_args: dict[str, dict[str, dict[str, Any]]] = {wl.name: {} for wl in workloads}
+    # each workload's configurations run in rounds (all of them once, then again), so
+    # that drift in the machine's speed reaches every configuration of a comparison
+    order = [(rnd, r) for wl in workloads for rnd in range(args.repeat) for r in runs if r.workload is wl]
+    runs_of: dict[int, list[Row]] = {id(r): [] for r in runs}
     with tempfile.TemporaryDirectory(prefix="sglite-bench-") as tmp:
-        for i, r in enumerate(runs, 1):
-            say(f"[{i}/{len(runs)}] {r.workload.name} · {r.label}  ({time.monotonic() - tic:.0f} s so far)")
+        for i, (rnd, r) in enumerate(order, 1):
+            which = f", run {rnd + 1}/{args.repeat}" if args.repeat > 1 else ""
+            say(f"[{i}/{len(order)}] {r.workload.name} · {r.label}{which}  ({time.monotonic() - tic:.0f} s so far)")
             t = time.monotonic()
             res = run_one(r, args.model_path, threads, sizes, pad_id, Path(tmp), i)
             row = summarize(r.label, r.engine, r.workload, res)
-            results[r.workload.name][1].append(row)
+            runs_of[id(r)].append(row)
             run_args[r.workload.name][r.label] = r.server_args
             if row.ok:
                 say(f"      -> {time.monotonic() - t:.0f} s: {row.output_tok_s:.1f} output tok/s, TTFT p50 "
                     f"{row.ttft_p50:.2f} s, ITL p50 {row.itl_p50_ms:.0f} ms, peak {row.peak_rss_mb:.0f} MB")
             else:
                 say(f"      -> failed: {row.error}")
+    for r in runs:
+        results[r.workload.name][1].append(median_run(runs_of[id(r)]))
     for wl, rows in results.values():
         compare_to_baseline(rows, next((r for r in rows if r.engine == "transformers"), None))
 

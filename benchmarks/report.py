@@ -38,6 +38,8 @@ class Row:
     peak_rss_mb: float = 0.0
     greedy_matches: int | None = None
     num_requests: int = 0
+    runs_output_tok_s: list[float] = field(default_factory=list)  # every run of this configuration (--repeat)
+    runs_agree: bool = True  # every run made the same output ids
     lengths_ok: bool = True
     details: dict[str, Any] = field(default_factory=dict)
     ttft_s: list[float] = field(default_factory=list, repr=False)
@@ -73,6 +75,20 @@ def summarize(label: str, engine: str, wl: Workload, res: dict[str, Any]) -> Row
     )
 
 
+def median_run(runs: list[Row]) -> Row:
+    """The run of one configuration to report when it ran several times (--repeat): the
+    median by output throughput (the lower middle one for an even count), so the row's
+    latency and memory come from that same run. A failed run fails the row."""
+    failed = next((r for r in runs if not r.ok), None)
+    if failed is not None:
+        return failed
+    ranked = sorted(runs, key=lambda r: r.output_tok_s)
+    row = ranked[(len(ranked) - 1) // 2]
+    row.runs_output_tok_s = [r.output_tok_s for r in runs]
+    row.runs_agree = all(r.output_ids == runs[0].output_ids for r in runs)
+    return row
+
+
 def compare_to_baseline(rows: list[Row], baseline: Row | None) -> None:
     """Fill 'vs transformers' and 'greedy = transformers' (requests whose output ids
     equal the baseline's exactly) for every other row."""
@@ -99,6 +115,8 @@ def row_cells(r: Row) -> list[str]:
         ratio += "×"
     greedy = "—" if r.greedy_matches is None else f"{r.greedy_matches}/{r.num_requests}"
     label = r.label if r.lengths_ok else f"{r.label} (output lengths differ!)"
+    if not r.runs_agree:
+        label += " (runs made different outputs!)"
     return [
         label, f"{r.output_tok_s:.1f}", f"{r.total_tok_s:.1f}",
         "1.00×" if r.engine == "transformers" else (_f(r.vs_baseline, ".2f") + ("×" if r.vs_baseline else "")),

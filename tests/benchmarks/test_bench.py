@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from benchmarks import bench
-from benchmarks.report import COLUMNS, parse_markdown_table, write_plots
+from benchmarks.report import COLUMNS, Row, median_run, parse_markdown_table, write_plots
 from benchmarks.workloads import build_workload, distinct_prefix_tokens
 from sglite.model_loader import load_model
 
@@ -88,6 +88,33 @@ def test_bench_end_to_end_on_tiny_random(tmp_path):
         assert sorted(data["plots"]) == sorted(p.name for p in tmp_path.glob("*.png"))
         assert len(data["plots"]) == 2 and all((tmp_path / p).stat().st_size > 1000 for p in data["plots"])
         assert all(f"]({p})" in md for p in data["plots"])
+
+
+def test_repeated_runs_are_interleaved_and_the_median_run_is_reported(tmp_path, capsys):
+    argv = ["--model-path", "tiny-random", "--quick", "--workload", "random-lengths", "--requests", "2",
+            "--ablations", "radix-off", "--skip-baseline", "--repeat", "2", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    progress = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[")]
+    assert [ln.split("  (")[0] for ln in progress] == [
+        "[1/4] random-lengths · sglite, run 1/2", "[2/4] random-lengths · sglite, radix cache off, run 1/2",
+        "[3/4] random-lengths · sglite, run 2/2", "[4/4] random-lengths · sglite, radix cache off, run 2/2"]
+    data = json.loads(next(tmp_path.glob("bench-quick-random-lengths-*.json")).read_text())
+    rows = data["workloads"]["random-lengths"]["rows"]
+    assert [r["label"] for r in rows] == ["sglite", "sglite, radix cache off"]
+    for r in rows:
+        assert len(r["runs_output_tok_s"]) == 2 and r["runs_agree"]
+        assert r["output_tok_s"] == min(r["runs_output_tok_s"])  # the lower middle of two
+    assert "Each configuration ran 2 times" in next(tmp_path.glob("bench-quick-random-lengths-*.md")).read_text()
+
+
+def test_median_run_picks_the_middle_run_and_fails_with_any_failure():
+    runs = [Row("a", "sglite", True, output_tok_s=t, output_ids=[[1, 2]]) for t in (30.0, 10.0, 20.0)]
+    row = median_run(runs)
+    assert row is runs[2] and row.runs_output_tok_s == [30.0, 10.0, 20.0] and row.runs_agree
+    runs[0].output_ids = [[1, 3]]
+    assert not median_run(runs).runs_agree
+    broken = Row("a", "sglite", False, error="boom")
+    assert median_run([runs[0], broken]) is broken
 
 
 def test_missing_optional_packages_are_explained(monkeypatch, tmp_path):
