@@ -14,13 +14,13 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.coordinate import Coordinate
-from textual.widgets import DataTable, Footer, Header, Input, RichLog, Sparkline, Static, Tree
+from textual.message import Message
+from textual.widgets import Footer, Header, Input, RichLog, Sparkline, Static
 
 from sglite.server_args import SCHEDULE_POLICIES
 from tui.state import LOG_KEEP, ReqInfo, View, ViewBuilder
 
-UI_INTERVAL = 0.05  # seconds between looks for a new view: at most 20 updates a second
+UI_INTERVAL = 0.02  # seconds between looks for a new view
 REPLAY_SPEED = 10  # iterations a second while a replay plays
 
 
@@ -57,23 +57,111 @@ class LiveFeed:
         return new
 
 
-def _set_rows(table: DataTable, rows: list[tuple]) -> None:
-    """Show ``rows``, touching only what changed: clearing a table makes Textual measure,
-    lay out and render every line again, which was most of what a frame cost. Rows are
-    positions: a request that leaves shifts the rows below it, cell by cell. Columns
-    widen for a wider value and never narrow (narrowing re-measures the whole column)."""
-    rows = [tuple(r) for r in rows]
-    old = [tuple(table.get_row_at(i)) for i in range(table.row_count)]
-    columns = table.ordered_columns
-    for i, (before, after) in enumerate(zip(old, rows)):
-        for j, (a, b) in enumerate(zip(before, after)):
-            if a != b:
-                wider = len(str(b)) > columns[j].content_width
-                table.update_cell_at(Coordinate(i, j), b, update_width=wider)
-    if len(rows) > len(old):
-        table.add_rows(rows[len(old):])
-    for i in range(len(old) - 1, len(rows) - 1, -1):
-        table.remove_row(table.coordinate_to_cell_key(Coordinate(i, 0)).row_key)
+class RowTable(Static):
+    """A table of rows (a queue, this round's plan) drawn as one block of text.
+
+    Every running request's seq_len changes every iteration, so a live table changes
+    nearly every row every frame; Textual's DataTable renders and caches cell by cell,
+    which made the three tables half of what a frame cost. Here a change is one Rich
+    Text for the whole panel. Columns widen for a wider value and never narrow (no
+    jitter); rows that do not fit end in a "+N more" line; the selected request's row is
+    reversed; a click on a row selects that request.
+    """
+
+    class Clicked(Message):
+        def __init__(self, rid: str) -> None:
+            super().__init__()
+            self.rid = rid
+
+    def __init__(self, columns: tuple[str, ...], id: str) -> None:  # noqa: A002
+        super().__init__(id=id)
+        self.columns = columns
+        self.rows: list[tuple[str, ...]] = []  # everything the table holds, shown or not
+        self.selected: str | None = None
+        self._widths = [len(c) for c in columns]
+        self._shown = 0
+        self._key: Any = None
+
+    @property
+    def row_count(self) -> int:
+        return len(self.rows)
+
+    def show(self, rows: list[tuple], selected: str | None = None) -> None:
+        rows = [tuple(str(c) for c in r) for r in rows]
+        height = max(2, self.size.height)
+        key = (rows, selected, height)
+        if key == self._key:
+            return
+        self._key, self.rows, self.selected = key, rows, selected
+        for r in rows:
+            self._widths = [max(w, len(c)) for w, c in zip(self._widths, r)]
+        fit = height - 1  # the header takes a line
+        shown = rows if len(rows) <= fit else rows[: fit - 1]
+        self._shown = len(shown)
+
+        def line(cells: tuple[str, ...]) -> str:  # rid left, numbers right
+            return " ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(cells, self._widths)))
+
+        text = Text(line(self.columns), style="bold", no_wrap=True, overflow="ellipsis")
+        for r in shown:
+            text.append("\n")
+            text.append(line(r), style="reverse" if r[0] == selected else "")
+        if len(shown) < len(rows):
+            text.append(f"\n+{len(rows) - len(shown)} more", style="dim")
+        self.update(text, layout=False)  # the panel's size comes from the grid, not from its text
+
+    def on_resize(self) -> None:
+        if self._key is not None:
+            self._key = None
+            self.show(self.rows, self.selected)
+
+    def on_click(self, event: Any) -> None:
+        offset = event.get_content_offset(self)
+        if offset is not None and 1 <= offset.y <= self._shown:
+            self.post_message(self.Clicked(self.rows[offset.y - 1][0]))
+
+
+class RadixTreeView(Static):
+    """The radix tree as indented text, one node a line (Textual's Tree widget rebuilt
+    its nodes on every change, a large part of a frame while locks and access times
+    change every iteration). ``lines`` holds (depth, label) in drawing order."""
+
+    def __init__(self, id: str) -> None:  # noqa: A002
+        super().__init__(id=id)
+        self.lines: list[tuple[int, str]] = []
+        self._extent = (0, 0)  # (lines, widest line) last shown
+
+    def show(self, tree: list[tuple], matched_path: Any) -> None:
+        children: dict[int, list[tuple]] = {}
+        root = None
+        for node in tree:
+            if node[1] == -1:
+                root = node[0]
+            else:
+                children.setdefault(node[1], []).append(node)
+        # least recently used first: the order eviction takes unlocked leaves in
+        order = {row[0]: rank for rank, row in enumerate(sorted(tree, key=lambda r: r[5]))}
+        text = Text("root", no_wrap=True, overflow="ellipsis")
+        self.lines = []
+
+        def walk(parent: int, prefix: str) -> None:
+            kids = children.get(parent, [])
+            for i, (node_id, _, key_len, head, lock_ref, _, _) in enumerate(kids):
+                last = i == len(kids) - 1
+                lock = f" 🔒{lock_ref}" if lock_ref else ""
+                label = f"{key_len}{lock} lru{order[node_id]} {list(head[:3])}"
+                self.lines.append((len(prefix) // 3, label))
+                text.append("\n" + prefix + ("└─ " if last else "├─ "), style="dim")
+                text.append(label, style="bold reverse" if node_id in matched_path else "")
+                walk(node_id, prefix + ("   " if last else "│  "))
+
+        if root is not None:
+            walk(root, "")
+        # a layout pass (the scroll box measures the text) costs a whole-screen repaint;
+        # only a change of size needs one
+        extent = (len(self.lines), max((len(ln) for ln in text.plain.split("\n")), default=0))
+        self.update(text, layout=extent != self._extent)
+        self._extent = extent
 
 
 class DetailScreen(ModalScreen):
@@ -121,7 +209,9 @@ class SchedulerApp(App):
     TITLE = "sglite"
     CSS = """
     Grid { grid-size: 3 2; grid-rows: 1fr 1fr; grid-columns: 1fr 0.8fr 1.2fr; }
-    DataTable, Tree, RichLog, #poolbox { border: round $accent; height: 1fr; }
+    RowTable, #treebox, RichLog, #poolbox { border: round $accent; height: 1fr; }
+    #tree { width: auto; }
+    RowTable { padding: 0 1; }
     #pool { height: auto; text-wrap: nowrap; text-overflow: ellipsis; }
     .spark { height: 1; }
     .spark Static { width: 7; }
@@ -181,9 +271,10 @@ class SchedulerApp(App):
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
         with Grid():
-            yield DataTable(id="waiting", zebra_stripes=True, cursor_type="row")
-            yield DataTable(id="running", zebra_stripes=True, cursor_type="row")
-            yield DataTable(id="plan", zebra_stripes=True, cursor_type="row")
+            # short headers so the columns fit at 80x24 (the border titles name the panels)
+            yield RowTable(("rid", "len", "cached", "wait"), id="waiting")
+            yield RowTable(("rid", "seq", "out/max"), id="running")
+            yield RowTable(("rid", "pre", "ext", "seq", "loc"), id="plan")
             with Vertical(id="poolbox"):
                 yield Static(id="pool")
                 with Horizontal(classes="spark"):
@@ -192,20 +283,16 @@ class SchedulerApp(App):
                 with Horizontal(classes="spark"):
                     yield Static("tok/s")
                     yield Sparkline([], id="tput")
-            yield Tree("root", id="tree")
+            with VerticalScroll(id="treebox", can_focus=False):  # space and home/end are the app's keys
+                yield RadixTreeView(id="tree")
             yield RichLog(id="log", markup=True, wrap=False, max_lines=500)
         yield Input(id="prompt", disabled=True)
         yield Footer()
 
     def on_mount(self) -> None:
         for wid, title in (("waiting", "waiting_queue"), ("running", "running_batch"), ("plan", "this round"),
-                           ("poolbox", "KV pool"), ("tree", "radix tree"), ("log", "events")):
+                           ("poolbox", "KV pool"), ("treebox", "radix tree"), ("log", "events")):
             self.query_one(f"#{wid}").border_title = title
-        # short headers so the columns fit at 80x24 (the border titles name the panels)
-        for tid, cols in (("waiting", ("rid", "len", "cached", "wait")),
-                          ("running", ("rid", "seq", "out/max")),
-                          ("plan", ("rid", "pre", "ext", "seq", "loc"))):
-            self.query_one(f"#{tid}", DataTable).add_columns(*cols)
         self.sub_title = self.subtitle_base
         if self.replay and self.views:
             self.render_view(self.views[0])
@@ -233,13 +320,8 @@ class SchedulerApp(App):
         self.last_view = v
         self.updates += 1
         for tid, rows in (("waiting", v.waiting), ("running", v.running), ("plan", v.plan)):
-            t = self.query_one(f"#{tid}", DataTable)
-            _set_rows(t, rows)
-            if self.selected is not None:
-                row = next((i for i, r in enumerate(rows) if r[0] == self.selected), None)
-                if row is not None:
-                    t.move_cursor(row=row, animate=False)
-        plan = self.query_one("#plan", DataTable)
+            self.query_one(f"#{tid}", RowTable).show(rows, self.selected)
+        plan = self.query_one("#plan", RowTable)
         wide = plan.size.width >= 40
         if not v.bid:
             plan.border_title = "this round: idle"
@@ -276,7 +358,10 @@ class SchedulerApp(App):
         bar_used = round(width * used / max(v.pool_total, 1))
         bar_cache = round(width * v.pool_evictable / max(v.pool_total, 1))
         bar = "[red]" + "█" * bar_used + "[/][yellow]" + "▒" * bar_cache + "[/]" + "·" * (width - bar_used - bar_cache)
-        self.query_one("#poolbox").border_title = f"KV pool: {v.pool_total} tokens"
+        title = f"KV pool: {v.pool_total} tokens"
+        box = self.query_one("#poolbox")
+        if box.border_title != title:  # setting it repaints the whole panel
+            box.border_title = title
         text = (f"{bar}\nused {used} free {v.pool_free}\ncached {v.pool_evictable} usage {v.token_usage:.2f}\n"
                 f"hit {v.cache_hit_rate:.2f} retracted {v.retractions}\nratio {v.new_token_ratio:.3f} {v.policy}\n"
                 f"stop {v.admission_stop or '-'}\n{v.throughput:.1f} tok/s done {v.finished}")
@@ -292,22 +377,7 @@ class SchedulerApp(App):
         if key == self._tree_key:
             return  # rebuilding the widget is the costly part of a frame
         self._tree_key = key
-        tree = self.query_one("#tree", Tree)
-        tree.clear()
-        # least recently used first: the order eviction takes unlocked leaves in
-        order = {row[0]: rank for rank, row in enumerate(sorted(v.tree, key=lambda r: r[5]))}
-        handles: dict[int, Any] = {}
-        for node_id, parent_id, key_len, head, lock_ref, _, hits in v.tree:
-            if parent_id == -1:
-                handles[node_id] = tree.root
-                continue
-            lock = f" 🔒{lock_ref}" if lock_ref else ""
-            label = Text(f"{key_len}{lock} lru{order[node_id]} {list(head[:3])}")
-            if node_id in v.matched_path:
-                label.stylize("bold reverse")
-            parent = handles.get(parent_id, tree.root)
-            handles[node_id] = parent.add(label, expand=True)
-        tree.root.expand()
+        self.query_one("#tree", RadixTreeView).show(v.tree, v.matched_path)
 
     def _render_log(self, v: View) -> None:
         log = self.query_one("#log", RichLog)
@@ -396,11 +466,11 @@ class SchedulerApp(App):
         self.notify(f"selected {self.selected} (d: detail)", timeout=2)
         self.render_view(v)
 
-    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
-        row = event.data_table.get_row_at(event.cursor_row)
-        if row:
-            self.selected = str(row[0])
-            self.action_detail()
+    def on_row_table_clicked(self, event: RowTable.Clicked) -> None:
+        self.selected = event.rid
+        if self.last_view is not None:
+            self.render_view(self.last_view)  # the row shows the selection
+        self.action_detail()
 
     def action_detail(self) -> None:
         if self.selected is None:

@@ -38,26 +38,16 @@ def by_hand(engine: Engine, paused: bool = True) -> tuple[EngineHost, HostConnec
 
 
 def table_rows(app, tid):
-    t = app.query_one(f"#{tid}")
-    return [[str(c) for c in t.get_row_at(i)] for i in range(t.row_count)]
+    return [list(r) for r in app.query_one(f"#{tid}").rows]
 
 
 def panel_texts(app) -> dict:
     """Everything the panels show, as text."""
-    tree = app.query_one("#tree")
-    labels = []
-
-    def walk(node, depth):
-        for child in node.children:
-            labels.append((depth, str(child.label)))
-            walk(child, depth + 1)
-
-    walk(tree.root, 0)
     return {
         **{tid: table_rows(app, tid) for tid in ("waiting", "running", "plan")},
         "plan_title": (app.query_one("#plan").border_title, app.query_one("#plan").border_subtitle),
         "pool": str(app.query_one("#pool").render()),
-        "tree": labels,
+        "tree": app.query_one("#tree").lines,
         "log": [str(line.text) for line in app.query_one("#log").lines],
     }
 
@@ -90,8 +80,8 @@ def test_panels_after_the_first_retract():
             assert app.query_one("#poolbox").border_title == f"KV pool: {sched.max_total_num_tokens} tokens"
             log_text = "\n".join(panel_texts(app)["log"])
             assert "retract" in log_text and "new_token_ratio" in log_text
-            tree = app.query_one("#tree")
-            assert len(tree.root.children) == len([n for n in sched.tree_cache.snapshot() if n["parent_id"] == 0])
+            top = [label for depth, label in app.query_one("#tree").lines if depth == 0]
+            assert len(top) == len([n for n in sched.tree_cache.snapshot() if n["parent_id"] == 0])
 
     asyncio.run(scenario())
 
@@ -230,6 +220,30 @@ def test_keys_step_pause_add_prompt_policy_and_workload():
             body = str(app.screen.query_one("#detail-body").render())
             assert "arrived" in body and "admitted" in body and "finished" in body
             await pilot.press("escape")
+            await pilot.press("q")
+
+    asyncio.run(scenario())
+
+
+def test_space_runs_at_start_and_a_click_on_a_row_opens_that_request():
+    async def scenario():
+        engine = make_engine()
+        host, conn = by_hand(engine)
+        app = SchedulerApp(LiveFeed(conn, {}), title="test", paused=True)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.press("space")  # nothing focused takes the key first
+            assert not app.paused and conn.inbox.get_nowait() == ("run",)
+            for _ in range(3):
+                host.step()
+            await pilot.pause(0.1)
+            running = table_rows(app, "running")
+            assert len(running) >= 2
+            # border, then the header line: the second request's row is the table's fourth line
+            await pilot.click("#running", offset=(3, 3))
+            await pilot.pause()
+            assert isinstance(app.screen, DetailScreen) and app.screen.rid == running[1][0]
+            await pilot.press("escape")
+            assert app.query_one("#running").selected == running[1][0]
             await pilot.press("q")
 
     asyncio.run(scenario())
