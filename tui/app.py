@@ -20,7 +20,7 @@ from textual.widgets import Footer, Header, Input, RichLog, Sparkline, Static
 from sglite.server_args import SCHEDULE_POLICIES
 from tui.state import LOG_KEEP, ReqInfo, View, ViewBuilder
 
-UI_INTERVAL = 0.02  # seconds between looks for a new view
+UI_INTERVAL = 0.02  # seconds between looks for a new view (the host ships one at most every tui.host.SHIP_INTERVAL)
 REPLAY_SPEED = 10  # iterations a second while a replay plays
 
 

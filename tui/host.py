@@ -35,7 +35,7 @@ from sglite import events as ev
 from tui.workloads import Arrival, Workload, load
 
 IDLE_POLL = 0.05  # seconds to wait for a command while paused or idle
-SHIP_INTERVAL = 0.05  # seconds between shipments while running (tui.app.UI_INTERVAL)
+SHIP_INTERVAL = 0.05  # seconds between shipments while running: at most 20 screen updates a second
 
 
 class EngineHost:
