@@ -6,6 +6,7 @@ exactly one scheduler iteration at a time, for the TUI, the walkthroughs and tes
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import sys
@@ -161,6 +162,20 @@ class Engine:
     def abort(self, rid: str) -> None:
         self.scheduler.send(AbortReq(rid))
 
+    def freeze_gc(self) -> int:
+        """Move every object alive now out of the cyclic garbage collector's reach, as
+        SGLang's ``Engine.freeze_gc`` does: call it after loading and a warm-up, when
+        what exists (torch's modules, the model, the pools, the scheduler) lives as long
+        as the engine. Full collections otherwise walk all of it: on tiny-random they took
+        up to 120 ms each, holding the GIL, a tenth of a short run. Objects made later
+        are collected as usual; ``shutdown`` (or ``gc.unfreeze()``) undoes it. Returns
+        how many objects were frozen."""
+        gc.collect()
+        gc.freeze()
+        frozen = gc.get_freeze_count()
+        logging.getLogger(__name__).info("froze %d objects out of garbage collection", frozen)
+        return frozen
+
     def shutdown(self) -> None:
         with self._lock:
             for rid, res in list(self._results.items()):
@@ -169,6 +184,8 @@ class Engine:
             if self.scheduler.has_work():
                 self.scheduler.step()
             self.scheduler.shutdown()
+        if gc.get_freeze_count():
+            gc.unfreeze()  # frozen objects would outlive the interpreter's last collection
 
     def __enter__(self) -> "Engine":
         return self

@@ -229,3 +229,18 @@ def test_rid_reuse_only_refused_while_the_first_is_alive():
     assert rejected.rid == "y" and "already in use" in rejected.reason
     assert len(log.of(ev.ReqFinished)) == 1  # the first "y" ran to the end
     assert "error" not in engine.generate(input_ids=[3, 4, 5], sampling_params=params, rid="x")
+
+
+def test_freeze_gc_keeps_outputs_and_shutdown_gives_the_heap_back():
+    import gc
+
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    params = {"max_new_tokens": 6, "temperature": 0}
+    engine = make_engine()
+    before = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    engine.scheduler.tree_cache.evict(10**9)  # the same requests again compute everything again
+    assert engine.freeze_gc() == gc.get_freeze_count() > 1000  # torch, the model, the scheduler
+    after = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    assert after == before
+    engine.shutdown()
+    assert gc.get_freeze_count() == 0
