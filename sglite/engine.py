@@ -32,6 +32,7 @@ class Engine:
         self._rid_counter = itertools.count()
         self._results: dict[str, dict[str, Any]] = {}
         self._lock = threading.RLock()
+        self._froze_gc = False  # freeze_gc was called: shutdown gives the heap back
 
     # --- building requests ------------------------------------------------------------
 
@@ -172,6 +173,7 @@ class Engine:
         how many objects were frozen."""
         gc.collect()
         gc.freeze()
+        self._froze_gc = True
         frozen = gc.get_freeze_count()
         logging.getLogger(__name__).info("froze %d objects out of garbage collection", frozen)
         return frozen
@@ -184,7 +186,8 @@ class Engine:
             if self.scheduler.has_work():
                 self.scheduler.step()
             self.scheduler.shutdown()
-        if gc.get_freeze_count():
+        if self._froze_gc:
+            self._froze_gc = False
             gc.unfreeze()  # frozen objects would outlive the interpreter's last collection
 
     def __enter__(self) -> "Engine":

@@ -83,10 +83,6 @@ class RowTable(Static):
         self._shown = 0
         self._key: Any = None
 
-    @property
-    def row_count(self) -> int:
-        return len(self.rows)
-
     def show(self, rows: list[tuple], selected: str | None = None) -> None:
         rows = [tuple(str(c) for c in r) for r in rows]
         height = max(2, self.size.height)

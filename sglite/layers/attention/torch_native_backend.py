@@ -119,7 +119,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             n, prefix, seq_len = q_lens[i], prefixes[i], seq_lens[i]
             if n <= 1:  # one-row requests are in a chunk or a group
                 continue
-            if n > 1 and prefix == 0:
+            if prefix == 0:
                 self._views.append(_ReqView(q_starts[i], n, None, None))
                 continue
             rows = torch.arange(n, device=device)[:, None] + prefix
