@@ -48,9 +48,11 @@ class ServerArgs:
     running_timeout: float | None = _opt(None, "abort a request that runs longer than this many seconds")
     # kernels
     attention_backend: str = _opt(
-        "auto", "torch_native or triton (auto: triton on CUDA, torch_native on CPU). triton also runs RMSNorm, "
-        "SiLU-and-mul and RoPE as fused Triton kernels; on CPU it needs TRITON_INTERPRET=1 (tests)",
-        choices=("auto", "torch_native", "triton"))
+        "auto", "cpu, torch_native or triton (auto: triton on CUDA; on a CPU, cpu when its C++ decode kernel "
+        "compiles, else torch_native). cpu is torch_native with decode rows read straight from the KV pool by a C++ "
+        "kernel (built on first use, float32). triton also runs RMSNorm, SiLU-and-mul and RoPE as fused Triton "
+        "kernels; on CPU it needs TRITON_INTERPRET=1 (tests)",
+        choices=("auto", "cpu", "torch_native", "triton"))
     disable_cuda_graph: bool = _opt(False, "do not capture decode in CUDA graphs (CUDA with the triton backend only)")
     cuda_graph_max_bs: int | None = _opt(None, "largest decode batch captured in a CUDA graph; larger batches run "
                                          "eagerly (default: min(128, max_running_requests))")

@@ -21,3 +21,15 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "real_model" in item.keywords:
                 item.add_marker(skip)
+
+
+def pytest_sessionstart(session):
+    """Build the CPU attention kernel before any test (a first run compiles it for about
+    a minute): no test pays for it, and the CLI tests' stderr carries no build message.
+    A failed build is reported here; the CPU-kernel tests then fail with its reason."""
+    from sglite.layers.attention.cpu_ops import KernelBuildError, load_cpu_ops
+
+    try:
+        load_cpu_ops()
+    except KernelBuildError as e:
+        print(f"warning: {e}", flush=True)

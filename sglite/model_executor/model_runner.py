@@ -29,14 +29,37 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def resolve_attention_backend(name: str, device: str) -> str:
-    """auto: triton on CUDA, torch_native on CPU. triton on CPU needs TRITON_INTERPRET=1."""
+def resolve_attention_backend(name: str, device: str, dtype: torch.dtype = torch.float32) -> str:
+    """auto: triton on CUDA; on a CPU, cpu when the pools are float32 and its C++ kernel
+    builds, else torch_native (saying why). triton on CPU needs TRITON_INTERPRET=1."""
     if name == "auto":
-        return "triton" if device.startswith("cuda") else "torch_native"
+        if device.startswith("cuda"):
+            return "triton"
+        if dtype != torch.float32:
+            return "torch_native"
+        from sglite.layers.attention.cpu_ops import KernelBuildError, load_cpu_ops
+
+        try:
+            load_cpu_ops()
+        except KernelBuildError as e:
+            logger.warning("attention backend torch_native (decode rows gather their K/V each layer): %s", e)
+            return "torch_native"
+        return "cpu"
     if name == "triton":
         from sglite.layers.triton_utils import check_triton_usable
 
-        check_triton_usable(device)  # before the weights load: fail fast
+        check_triton_usable(device)
+    if name == "cpu":
+        if device.startswith("cuda"):
+            raise ValueError("--attention-backend cpu runs on a CPU; use triton or torch_native on CUDA")
+        if dtype != torch.float32:
+            raise ValueError(f"--attention-backend cpu needs float32 KV pools (--dtype float32), not {dtype}")
+        from sglite.layers.attention.cpu_ops import KernelBuildError, load_cpu_ops
+
+        try:
+            load_cpu_ops()
+        except KernelBuildError as e:
+            raise ValueError(f"--attention-backend cpu: {e}; --attention-backend torch_native needs no compiler") from None
     return name
 
 
@@ -61,7 +84,10 @@ class ModelRunner:
         self.server_args = server_args
         self.device = resolve_device(server_args.device)
         self.dtype = resolve_dtype(server_args.dtype, self.device)
-        self.attention_backend = resolve_attention_backend(server_args.attention_backend, self.device)
+        if server_args.attention_backend == "triton":
+            from sglite.layers.triton_utils import check_triton_usable
+
+            check_triton_usable(self.device)  # before the weights load: fail fast
         self.tokenizer = None
         if model_config is None or weights is None:
             from sglite.model_loader import load_model
@@ -69,6 +95,8 @@ class ModelRunner:
             loaded = load_model(server_args.model_path, dtype=self.dtype)
             model_config, weights, self.tokenizer = loaded.config, loaded.weights, loaded.tokenizer
         self.model_config = model_config
+        # after the weights: a bad model path fails before a first run compiles the CPU kernel
+        self.attention_backend = resolve_attention_backend(server_args.attention_backend, self.device, self.dtype)
         self.context_len = min(server_args.context_length or model_config.context_len, model_config.context_len)
         self.model = self._build_model(model_config, weights)
         # the fused RMSNorm / SiLU-and-mul / RoPE kernels go with the triton backend
@@ -95,6 +123,10 @@ class ModelRunner:
             from sglite.layers.attention.triton_backend import TritonAttnBackend
 
             return TritonAttnBackend(self.device, self.model_config.num_key_value_heads)
+        if self.attention_backend == "cpu":
+            from sglite.layers.attention.cpu_backend import CpuAttnBackend
+
+            return CpuAttnBackend()
         return TorchNativeAttnBackend()
 
     def init_cuda_graphs(self) -> None:

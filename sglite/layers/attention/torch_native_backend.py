@@ -109,11 +109,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         self._groups, grouped = self._find_shared_prefixes(req_to_token, one_row, pool_indices, seq_lens, q_starts,
                                                            device)
         alone = [i for i in one_row if i not in grouped]
-        self._chunks = [
-            _OneRowChunk(torch.tensor([q_starts[alone[j]] for j in c.members.tolist()], device=device), c.slots,
-                         None if c.pad is None else ~c.pad)
-            for c in _suffix_chunks(req_to_token, [pool_indices[i] for i in alone], [seq_lens[i] for i in alone],
-                                    0, device)]
+        self._plan_one_row(req_to_token, [q_starts[i] for i in alone], [pool_indices[i] for i in alone],
+                           [seq_lens[i] for i in alone], device)
         self._views = []
         for i in range(bs):
             n, prefix, seq_len = q_lens[i], prefixes[i], seq_lens[i]
@@ -127,6 +124,14 @@ class TorchNativeAttnBackend(AttentionBackend):
             self._views.append(_ReqView(q_starts[i], n, req_to_token[pool_indices[i], :seq_len], mask))
         self._view_rows = torch.tensor([r for v in self._views for r in range(v.q_start, v.q_start + v.q_len)],
                                        dtype=torch.int64, device=device)
+
+    def _plan_one_row(self, req_to_token: torch.Tensor, q_rows: list[int], pool_indices: list[int],
+                      seq_lens: list[int], device: torch.device) -> None:
+        """One-row requests outside any shared-prefix group: padded chunks of similar lengths."""
+        self._chunks = [
+            _OneRowChunk(torch.tensor([q_rows[j] for j in c.members.tolist()], device=device), c.slots,
+                         None if c.pad is None else ~c.pad)
+            for c in _suffix_chunks(req_to_token, pool_indices, seq_lens, 0, device)]
 
     @staticmethod
     def _find_shared_prefixes(req_to_token: torch.Tensor, one_row: list[int], pool_indices: list[int],
@@ -170,7 +175,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         k_buf = pool.get_key_buffer(layer.layer_id)
         v_buf = pool.get_value_buffer(layer.layer_id)
         gqa = layer.tp_q_head_num != layer.tp_k_head_num
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
         q_heads_first = q.transpose(0, 1).unsqueeze(0).to(k_buf.dtype)  # [1, H, rows, D]
         outs = []  # [1, H, n, D] each, in the order of self._view_rows
         for view in self._views:
@@ -184,15 +189,21 @@ class TorchNativeAttnBackend(AttentionBackend):
                 attn_mask=view.mask, is_causal=view.slots is None, scale=layer.scaling, enable_gqa=gqa))
         if outs:  # one copy back for all of them
             out.index_copy_(0, self._view_rows, torch.cat(outs, dim=2)[0].transpose(0, 1).to(q.dtype))
-        for chunk in self._chunks:
-            ki, vi = _gather(k_buf, chunk.slots), _gather(v_buf, chunk.slots)  # [n, max_len, KVH, D]
-            o = F.scaled_dot_product_attention(
-                q_heads_first[0, :, chunk.q_rows].transpose(0, 1).unsqueeze(2),  # [n, H, 1, D]
-                ki.transpose(1, 2), vi.transpose(1, 2), attn_mask=chunk.keep, scale=layer.scaling, enable_gqa=gqa)
-            out.index_copy_(0, chunk.q_rows, o[:, :, 0].to(q.dtype))
+        self._attend_one_row(q, k_buf, v_buf, layer, out)
         for group in self._groups:
             self._attend_shared_prefix(group, q, k_buf, v_buf, layer, out)
         return out
+
+    def _attend_one_row(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: "RadixAttention",
+                        out: torch.Tensor) -> None:
+        """The rows of ``_plan_one_row``'s requests into ``out``: one gather and one SDPA per chunk."""
+        gqa = layer.tp_q_head_num != layer.tp_k_head_num
+        for chunk in self._chunks:
+            ki, vi = _gather(k_buf, chunk.slots), _gather(v_buf, chunk.slots)  # [n, max_len, KVH, D]
+            o = F.scaled_dot_product_attention(
+                q[chunk.q_rows].to(k_buf.dtype).unsqueeze(2),  # [n, H, 1, D]
+                ki.transpose(1, 2), vi.transpose(1, 2), attn_mask=chunk.keep, scale=layer.scaling, enable_gqa=gqa)
+            out.index_copy_(0, chunk.q_rows, o[:, :, 0].to(q.dtype))
 
     @staticmethod
     def _attend_shared_prefix(group: _SharedPrefixGroup, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,

@@ -1,0 +1,116 @@
+"""sglite's C++ kernels for the CPU, compiled on first use (``torch.utils.cpp_extension``).
+
+SGLang ships its CPU kernels prebuilt (sgl-kernel); sglite compiles its one kernel from
+source the first time a CPU engine starts, for this machine's CPU (``-march=native``),
+where torch keeps JIT-built extensions (``$TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``); later starts load the built module in well under a
+second. A change of source, flags, torch, Python or CPU gets a fresh build (the hash in
+the module's name). Needs a C++ compiler, Python's headers and ninja (a dependency of
+sglite).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCES = [Path(__file__).with_name("decode_attention.cpp")]
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+
+_module: ModuleType | None = None
+_error: "KernelBuildError | None" = None
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ kernels could not be compiled or loaded; the message says why, in one line."""
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_name() -> str:
+    """The extension's name: what it was built from, hashed (a different hash, a new build)."""
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
+    for part in (*CFLAGS, *LDFLAGS, torch.__version__, sys.version, platform.machine(), _cpu_flags()):
+        h.update(part.encode())
+    return f"sglite_cpu_ops_{h.hexdigest()[:16]}"
+
+
+def load_cpu_ops() -> ModuleType:
+    """The compiled module (``decode_attention``); compiles it the first time on this machine.
+
+    Raises KernelBuildError when it cannot be built; the failure is remembered for the
+    process, so a second engine does not retry a minute-long build.
+    """
+    global _module, _error
+    if _module is not None:
+        return _module
+    if _error is not None:
+        raise _error
+    try:
+        _module = _build()
+    except KernelBuildError as e:
+        _error = e
+        raise
+    return _module
+
+
+def _build() -> ModuleType:
+    name = build_name()
+    build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions") / name
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KernelBuildError(f"cannot create {build_dir}: {e.strerror}") from None
+    try:
+        from torch.utils.cpp_extension import load, verify_ninja_availability
+
+        verify_ninja_availability()
+    except (ImportError, RuntimeError) as e:
+        raise KernelBuildError(f"cannot build C++ extensions here: {e}") from None
+    built = (build_dir / f"{name}.so").exists()
+    # one build at a time across processes; the lock goes with a killed process, whereas
+    # torch's own lock file would stay behind and make every later load wait forever
+    with open(build_dir / "sglite.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        if not built:
+            print(f"sglite: compiling the CPU attention kernel into {build_dir} (once per machine, about a minute)",
+                  file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        try:
+            module = load(name, [str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                          build_directory=str(build_dir), verbose=False)
+        except Exception as e:  # noqa: BLE001 - compiler errors come as several exception types
+            raise KernelBuildError(f"compiling the CPU attention kernel failed: {_first_error(str(e))} "
+                                   f"(is a C++ compiler with Python's headers installed? build dir: {build_dir})") from None
+        if not built:
+            print(f"sglite: compiled in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    return module
+
+
+def _first_error(log: str) -> str:
+    """The compiler's first ``error:`` line of a failed build's log (it echoes whole
+    command lines first), else the log's last line."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    why = next((ln for ln in lines if "error:" in ln), lines[-1] if lines else "no output")
+    return why if len(why) <= 300 else why[:297] + "..."

@@ -1,0 +1,149 @@
+// Paged decode attention on a CPU (sglite: layers/attention/cpu_backend.py).
+//
+// Each one-row request (a decode row) attends to its K/V where req_to_token says they
+// live, read straight from the pool: no gathered copy, no padding. For every (request,
+// KV head) pair, in parallel over torch's intra-op threads: the scores of that KV head's
+// query heads (GQA) against positions 0..seq_len-1, their softmax, and the weighted sum
+// of V. Two passes over the request's slots; the scores wait in a per-thread buffer.
+// A head_dim known at compile time (64, 128) lets the compiler unroll and vectorize the
+// inner loops fully; others take the same code with a runtime head_dim.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+struct Problem {
+  const float* q;               // [bs, H, D]
+  const float* k_buf;           // [slots, KVH, D]
+  const float* v_buf;           // [slots, KVH, D]
+  const int64_t* req_to_token;  // [max_reqs, r2t_stride]
+  int64_t r2t_stride;
+  const int64_t* q_rows;    // [n]: the row of q (and out) of each request
+  const int64_t* pool_idx;  // [n]: its row of req_to_token
+  const int64_t* seq_lens;  // [n]: positions 0..seq_len-1 are attended
+  float* out;               // [bs, H, D]
+  int64_t n, H, KVH;
+  float scale;
+};
+
+// kD > 0: head_dim fixed at compile time; kD == 0: head_dim = d_runtime
+template <int64_t kD>
+void decode_attention_impl(const Problem& p, int64_t d_runtime) {
+  const int64_t D = kD > 0 ? kD : d_runtime;
+  const int64_t G = p.H / p.KVH;  // query heads per KV head
+  const int64_t slot_stride = p.KVH * D;
+  at::parallel_for(0, p.n * p.KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(G * D), top(G), sum(G);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / p.KVH, kh = item % p.KVH;
+      const int64_t L = p.seq_lens[r];
+      const int64_t* slots = p.req_to_token + p.pool_idx[r] * p.r2t_stride;
+      const float* qh = p.q + p.q_rows[r] * p.H * D + kh * G * D;  // this KV head's G query heads
+      scores.resize(G * L);
+      std::fill(top.begin(), top.end(), -std::numeric_limits<float>::infinity());
+      for (int64_t t = 0; t < L; ++t) {
+        const float* kp = p.k_buf + slots[t] * slot_stride + kh * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qh + g * D;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * kp[d];
+          s *= p.scale;
+          scores[g * L + t] = s;
+          top[g] = std::max(top[g], s);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * L;
+        float total = 0.f;
+        for (int64_t t = 0; t < L; ++t) {
+          sg[t] = std::exp(sg[t] - top[g]);
+          total += sg[t];
+        }
+        sum[g] = total;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < L; ++t) {
+        const float* vp = p.v_buf + slots[t] * slot_stride + kh * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float w = scores[g * L + t];
+          float* ag = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ag[d] += w * vp[d];
+        }
+      }
+      float* oh = p.out + p.q_rows[r] * p.H * D + kh * G * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = 1.f / sum[g];
+        for (int64_t d = 0; d < D; ++d) oh[g * D + d] = acc[g * D + d] * inv;
+      }
+    }
+  });
+}
+
+void check_cpu_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name,
+              " must be a contiguous float32 CPU tensor");
+}
+
+void check_cpu_i64(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kInt64 && t.is_contiguous(), name,
+              " must be a contiguous int64 CPU tensor");
+}
+
+}  // namespace
+
+// q, out: [bs, H, D]; k_buf, v_buf: [slots, KVH, D]; req_to_token: [reqs, context] int64;
+// q_rows, pool_idx, seq_lens: [n] int64. Writes rows q_rows of out and no others.
+void decode_attention(const torch::Tensor& q, const torch::Tensor& k_buf, const torch::Tensor& v_buf,
+                      const torch::Tensor& req_to_token, const torch::Tensor& q_rows,
+                      const torch::Tensor& pool_idx, const torch::Tensor& seq_lens, torch::Tensor& out,
+                      double scale) {
+  check_cpu_f32(q, "q");
+  check_cpu_f32(k_buf, "k_buf");
+  check_cpu_f32(v_buf, "v_buf");
+  check_cpu_f32(out, "out");
+  check_cpu_i64(req_to_token, "req_to_token");
+  check_cpu_i64(q_rows, "q_rows");
+  check_cpu_i64(pool_idx, "pool_idx");
+  check_cpu_i64(seq_lens, "seq_lens");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [rows, heads, head_dim]");
+  TORCH_CHECK(k_buf.dim() == 3 && v_buf.sizes() == k_buf.sizes(), "k_buf and v_buf must be [slots, kv_heads, head_dim]");
+  TORCH_CHECK(req_to_token.dim() == 2, "req_to_token must be [reqs, context]");
+  const int64_t n = q_rows.numel();
+  TORCH_CHECK(pool_idx.numel() == n && seq_lens.numel() == n, "q_rows, pool_idx and seq_lens must have one length");
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_buf.size(1);
+  TORCH_CHECK(k_buf.size(2) == D, "q and the KV pool must have one head_dim");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads must be a multiple of KV heads");
+  if (n == 0) return;
+  // indices come from the scheduler; a bad one would read outside the pool, so check them
+  const int64_t* rows = q_rows.data_ptr<int64_t>();
+  const int64_t* pidx = pool_idx.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK(rows[r] >= 0 && rows[r] < q.size(0), "q_rows out of range");
+    TORCH_CHECK(pidx[r] >= 0 && pidx[r] < req_to_token.size(0), "pool_idx out of range");
+    TORCH_CHECK(lens[r] >= 1 && lens[r] <= req_to_token.size(1), "seq_lens out of range");
+    const int64_t* slots = req_to_token.data_ptr<int64_t>() + pidx[r] * req_to_token.size(1);
+    for (int64_t t = 0; t < lens[r]; ++t) {
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < k_buf.size(0), "req_to_token holds a slot outside the KV pool");
+    }
+  }
+  Problem p{q.data_ptr<float>(), k_buf.data_ptr<float>(), v_buf.data_ptr<float>(), req_to_token.data_ptr<int64_t>(),
+            req_to_token.size(1), rows, pidx, lens, out.data_ptr<float>(), n, H, KVH, static_cast<float>(scale)};
+  pybind11::gil_scoped_release no_gil;  // torch's own ops let other Python threads run; so does this
+  switch (D) {
+    case 64: decode_attention_impl<64>(p, D); break;
+    case 128: decode_attention_impl<128>(p, D); break;
+    default: decode_attention_impl<0>(p, D);
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "paged decode attention over a float32 KV pool on a CPU");
+}
