@@ -70,6 +70,9 @@ ABLATIONS = [
              default=False),
     Ablation("trace-1", "sglite, tracing level 1", {}, 1, workloads=("shared-prefix",), default=False),
     Ablation("trace-2", "sglite, tracing level 2", {}, 2, workloads=("shared-prefix",)),
+    # on a CPU the default attention backend is cpu (decode rows read by a C++ kernel)
+    Ablation("torch-native", "sglite, torch_native attention", {"attention_backend": "torch_native"},
+             workloads=("random-lengths",)),
 ]
 
 

@@ -24,10 +24,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionstart(session):
-    """Build the CPU attention kernel before any test (a first run compiles it for about
+    """Build the CPU kernels before any test (a first run compiles it for about
     a minute): no test pays for it, and the CLI tests' stderr carries no build message.
     A failed build is reported here; the CPU-kernel tests then fail with its reason."""
-    from sglite.layers.attention.cpu_ops import KernelBuildError, load_cpu_ops
+    from sglite.layers.cpu_ops import KernelBuildError, load_cpu_ops
 
     try:
         load_cpu_ops()

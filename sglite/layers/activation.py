@@ -17,3 +17,12 @@ class SiluAndMul(CustomOp):
         from sglite.layers.fused_kernels import silu_and_mul
 
         return silu_and_mul(x)
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return self.forward_native(x)
+        from sglite.layers.cpu_ops import load_cpu_ops
+
+        out = torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=x.dtype)
+        load_cpu_ops().silu_and_mul(x.contiguous(), out)
+        return out

@@ -34,3 +34,19 @@ class RMSNorm(CustomOp):
         from sglite.layers.fused_kernels import rmsnorm
 
         return rmsnorm(x, self.weight, self.variance_epsilon, residual)
+
+    def forward_cpu(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.dtype != torch.float32:
+            return self.forward_native(x, residual)
+        from sglite.layers.cpu_ops import load_cpu_ops
+
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        if residual is None:
+            load_cpu_ops().rmsnorm(x, self.weight, out, self.variance_epsilon)
+            return out
+        summed = torch.empty_like(x)
+        load_cpu_ops().fused_add_rmsnorm(x, residual.contiguous(), self.weight, summed, out, self.variance_epsilon)
+        return out, summed

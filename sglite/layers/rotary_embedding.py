@@ -69,6 +69,19 @@ class RotaryEmbedding(CustomOp):
 
         return rotary_embedding_neox(positions, q, k, self.cos_sin_cache)
 
+    def forward_cpu(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.dtype != torch.float32 or q.stride(-1) != 1 or k.stride(-1) != 1:
+            return self.forward_native(positions, q, k)
+        from sglite.layers.cpu_ops import load_cpu_ops
+
+        ops, positions = load_cpu_ops(), positions.contiguous()
+        q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
+        ops.rope_neox(positions, q, self.cos_sin_cache, q_out)
+        ops.rope_neox(positions, k, self.cos_sin_cache, k_out)
+        return q_out, k_out
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2

@@ -10,7 +10,7 @@ import torch
 from sglite.configs.model_config import ModelConfig
 from sglite.layers.attention.base_attn_backend import AttentionBackend
 from sglite.layers.attention.torch_native_backend import TorchNativeAttnBackend
-from sglite.layers.custom_op import enable_triton_ops
+from sglite.layers.custom_op import set_custom_op_impl
 from sglite.layers.rotary_embedding import RotaryEmbedding
 from sglite.layers.sampler import Sampler
 from sglite.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
@@ -37,7 +37,7 @@ def resolve_attention_backend(name: str, device: str, dtype: torch.dtype = torch
             return "triton"
         if dtype != torch.float32:
             return "torch_native"
-        from sglite.layers.attention.cpu_ops import KernelBuildError, load_cpu_ops
+        from sglite.layers.cpu_ops import KernelBuildError, load_cpu_ops
 
         try:
             load_cpu_ops()
@@ -54,7 +54,7 @@ def resolve_attention_backend(name: str, device: str, dtype: torch.dtype = torch
             raise ValueError("--attention-backend cpu runs on a CPU; use triton or torch_native on CUDA")
         if dtype != torch.float32:
             raise ValueError(f"--attention-backend cpu needs float32 KV pools (--dtype float32), not {dtype}")
-        from sglite.layers.attention.cpu_ops import KernelBuildError, load_cpu_ops
+        from sglite.layers.cpu_ops import KernelBuildError, load_cpu_ops
 
         try:
             load_cpu_ops()
@@ -99,8 +99,8 @@ class ModelRunner:
         self.attention_backend = resolve_attention_backend(server_args.attention_backend, self.device, self.dtype)
         self.context_len = min(server_args.context_length or model_config.context_len, model_config.context_len)
         self.model = self._build_model(model_config, weights)
-        # the fused RMSNorm / SiLU-and-mul / RoPE kernels go with the triton backend
-        enable_triton_ops(self.model, self.attention_backend == "triton")
+        # the fused RMSNorm / SiLU-and-mul / RoPE kernels go with the attention backend's
+        set_custom_op_impl(self.model, {"triton": "triton", "cpu": "cpu"}.get(self.attention_backend, "native"))
         self.sampler = Sampler()
         self.init_memory_pool()
         self.attn_backend = self._build_attn_backend()

@@ -4,7 +4,7 @@
 The torch_native backend, except for one-row requests outside a shared-prefix group
 (decode rows; the running requests of a MIXED batch): instead of gathering each one's
 whole K/V history into a padded tensor and running SDPA over the copy, the kernel in
-``cpu_ops/decode_attention.cpp`` reads K and V once, straight from the pool through
+``sglite/layers/cpu_ops/decode_attention.cpp`` reads K and V once, straight from the pool through
 ``req_to_token``. Prefill rows stay on SDPA (their work is matmul-shaped), and groups of
 requests sharing a cached prefix keep torch_native's attend-the-prefix-once path.
 
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sglite.layers.attention.cpu_ops import load_cpu_ops
+from sglite.layers.cpu_ops import load_cpu_ops
 from sglite.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 if TYPE_CHECKING:

@@ -10,7 +10,8 @@ import logging
 import pytest
 import torch
 
-from sglite.layers.attention import cpu_ops
+from sglite.layers import cpu_ops
+from sglite.layers.custom_op import CustomOp
 from sglite.layers.attention import torch_native_backend as tn
 from sglite.layers.attention.cpu_backend import CpuAttnBackend
 from sglite.layers.attention.paged_batch import make_paged_case, run_attention
@@ -129,7 +130,7 @@ def test_a_kernel_that_cannot_build_falls_back_to_torch_native_with_the_reason(m
     monkeypatch.setattr(cpu_ops, "_error", None)
     with caplog.at_level(logging.WARNING, logger="sglite"):
         assert resolve_attention_backend("auto", "cpu", torch.float32) == "torch_native"
-    assert "compiling the CPU attention kernel failed" in caplog.text
+    assert "compiling the CPU kernels failed" in caplog.text
     with pytest.raises(ValueError, match=r"^--attention-backend cpu: compiling .* needs no compiler$"):
         resolve_attention_backend("cpu", "cpu", torch.float32)
     bad.unlink()  # a retry would now fail differently; the remembered error is the same one
@@ -138,6 +139,8 @@ def test_a_kernel_that_cannot_build_falls_back_to_torch_native_with_the_reason(m
 
 
 def test_engine_tokens_equal_torch_native_through_retracts_and_mixed_rounds():
+    """The cpu backend's engine (its attention and its fused norms, RoPE and SiLU) gives
+    the torch_native engine's greedy tokens."""
     from sglite.engine import Engine
 
     prompts = [[(7 * i + j) % 200 + 3 for j in range(20 + 13 * i)] for i in range(8)]
@@ -147,6 +150,8 @@ def test_engine_tokens_equal_torch_native_through_retracts_and_mixed_rounds():
         # a pool too small for all eight at once: retracts; mixed chunks put decode rows beside prefill
         engine = Engine("tiny-random", attention_backend=backend, max_total_tokens=320, enable_mixed_chunk=True,
                         chunked_prefill_size=64)
+        ops = [m for m in engine.scheduler.model_runner.model.modules() if isinstance(m, CustomOp)]
+        assert ops and {m.impl for m in ops} == {"cpu" if backend == "cpu" else "native"}  # norms, RoPE, SiLU too
         try:
             return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
         finally:

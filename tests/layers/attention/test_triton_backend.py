@@ -40,8 +40,8 @@ def seed_rounds(backend: str) -> list[torch.Tensor]:
 def test_triton_runner_uses_triton_everywhere():
     r = runner("triton")
     assert r.attn_backend.name == "triton"
-    assert all(m.use_triton for m in r.model.modules() if isinstance(m, CustomOp))
-    assert not any(m.use_triton for m in runner("torch_native").model.modules() if isinstance(m, CustomOp))
+    assert all(m.impl == "triton" for m in r.model.modules() if isinstance(m, CustomOp))
+    assert all(m.impl == "native" for m in runner("torch_native").model.modules() if isinstance(m, CustomOp))
 
 
 def test_model_logits_equal_torch_native():

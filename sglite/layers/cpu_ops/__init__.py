@@ -1,6 +1,8 @@
-"""sglite's C++ kernels for the CPU, compiled on first use (``torch.utils.cpp_extension``).
+"""sglite's C++ kernels for the CPU, compiled on first use (``torch.utils.cpp_extension``):
+paged decode attention (``decode_attention.cpp``) and the fused RMSNorm, SiLU-and-mul and
+RoPE (``fused_ops.cpp``).
 
-SGLang ships its CPU kernels prebuilt (sgl-kernel); sglite compiles its one kernel from
+SGLang ships its CPU kernels prebuilt (sgl-kernel); sglite compiles its kernels from
 source the first time a CPU engine starts, for this machine's CPU (``-march=native``),
 where torch keeps JIT-built extensions (``$TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``); later starts load the built module in well under a
@@ -22,8 +24,10 @@ from types import ModuleType
 
 import torch
 
-SOURCES = [Path(__file__).with_name("decode_attention.cpp")]
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_HERE = Path(__file__).parent
+SOURCES = [_HERE / "bindings.cpp", _HERE / "decode_attention.cpp", _HERE / "fused_ops.cpp"]
+HEADERS = [_HERE / "common.h"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
 LDFLAGS = ["-fopenmp"]
 
 _module: ModuleType | None = None
@@ -48,7 +52,7 @@ def _cpu_flags() -> str:
 def build_name() -> str:
     """The extension's name: what it was built from, hashed (a different hash, a new build)."""
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
     for part in (*CFLAGS, *LDFLAGS, torch.__version__, sys.version, platform.machine(), _cpu_flags()):
         h.update(part.encode())
@@ -56,7 +60,7 @@ def build_name() -> str:
 
 
 def load_cpu_ops() -> ModuleType:
-    """The compiled module (``decode_attention``); compiles it the first time on this machine.
+    """The compiled module; compiles it the first time on this machine.
 
     Raises KernelBuildError when it cannot be built; the failure is remembered for the
     process, so a second engine does not retry a minute-long build.
@@ -94,14 +98,14 @@ def _build() -> ModuleType:
         fcntl.flock(lock, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
         if not built:
-            print(f"sglite: compiling the CPU attention kernel into {build_dir} (once per machine, about a minute)",
+            print(f"sglite: compiling the CPU kernels into {build_dir} (once per machine, about a minute)",
                   file=sys.stderr, flush=True)
         t0 = time.monotonic()
         try:
             module = load(name, [str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                           build_directory=str(build_dir), verbose=False)
         except Exception as e:  # noqa: BLE001 - compiler errors come as several exception types
-            raise KernelBuildError(f"compiling the CPU attention kernel failed: {_first_error(str(e))} "
+            raise KernelBuildError(f"compiling the CPU kernels failed: {_first_error(str(e))} "
                                    f"(is a C++ compiler with Python's headers installed? build dir: {build_dir})") from None
         if not built:
             print(f"sglite: compiled in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)

@@ -7,8 +7,9 @@
 // of V. Two passes over the request's slots; the scores wait in a per-thread buffer.
 // A head_dim known at compile time (64, 128) lets the compiler unroll and vectorize the
 // inner loops fully; others take the same code with a runtime head_dim.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "common.h"
 
 #include <algorithm>
 #include <cmath>
@@ -61,8 +62,10 @@ void decode_attention_impl(const Problem& p, int64_t d_runtime) {
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * L;
         float total = 0.f;
+        const float m = top[g];
+#pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < L; ++t) {
-          sg[t] = std::exp(sg[t] - top[g]);
+          sg[t] = sglite::exp_vec(sg[t] - m);
           total += sg[t];
         }
         sum[g] = total;
@@ -86,16 +89,6 @@ void decode_attention_impl(const Problem& p, int64_t d_runtime) {
   });
 }
 
-void check_cpu_f32(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name,
-              " must be a contiguous float32 CPU tensor");
-}
-
-void check_cpu_i64(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kInt64 && t.is_contiguous(), name,
-              " must be a contiguous int64 CPU tensor");
-}
-
 }  // namespace
 
 // q, out: [bs, H, D]; k_buf, v_buf: [slots, KVH, D]; req_to_token: [reqs, context] int64;
@@ -104,14 +97,14 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& k_buf, const 
                       const torch::Tensor& req_to_token, const torch::Tensor& q_rows,
                       const torch::Tensor& pool_idx, const torch::Tensor& seq_lens, torch::Tensor& out,
                       double scale) {
-  check_cpu_f32(q, "q");
-  check_cpu_f32(k_buf, "k_buf");
-  check_cpu_f32(v_buf, "v_buf");
-  check_cpu_f32(out, "out");
-  check_cpu_i64(req_to_token, "req_to_token");
-  check_cpu_i64(q_rows, "q_rows");
-  check_cpu_i64(pool_idx, "pool_idx");
-  check_cpu_i64(seq_lens, "seq_lens");
+  sglite::check_cpu_f32(q, "q");
+  sglite::check_cpu_f32(k_buf, "k_buf");
+  sglite::check_cpu_f32(v_buf, "v_buf");
+  sglite::check_cpu_f32(out, "out");
+  sglite::check_cpu_i64(req_to_token, "req_to_token");
+  sglite::check_cpu_i64(q_rows, "q_rows");
+  sglite::check_cpu_i64(pool_idx, "pool_idx");
+  sglite::check_cpu_i64(seq_lens, "seq_lens");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [rows, heads, head_dim]");
   TORCH_CHECK(k_buf.dim() == 3 && v_buf.sizes() == k_buf.sizes(), "k_buf and v_buf must be [slots, kv_heads, head_dim]");
   TORCH_CHECK(req_to_token.dim() == 2, "req_to_token must be [reqs, context]");
@@ -142,8 +135,4 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& k_buf, const 
     case 128: decode_attention_impl<128>(p, D); break;
     default: decode_attention_impl<0>(p, D);
   }
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged decode attention over a float32 KV pool on a CPU");
 }
