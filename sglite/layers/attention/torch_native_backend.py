@@ -19,6 +19,9 @@ attention in FlashInfer and of split-KV decoding). Without it, 64 chats sharing 
 
 A request's result does not depend on which others share its batch, up to float
 rounding (a shared prefix changes the order of the sums).
+
+The cpu backend (cpu_backend.py) is this class with ``_plan_one_row`` and
+``_attend_one_row`` replaced: its one-row requests go to a C++ kernel instead of chunks.
 """
 
 from __future__ import annotations
