@@ -48,9 +48,9 @@ class ServerArgs:
     running_timeout: float | None = _opt(None, "abort a request that runs longer than this many seconds")
     # kernels
     attention_backend: str = _opt(
-        "auto", "cpu, torch_native or triton (auto: triton on CUDA; on a CPU, cpu when its C++ decode kernel "
-        "compiles, else torch_native). cpu is torch_native with decode rows read straight from the KV pool by a C++ "
-        "kernel (built on first use, float32). triton also runs RMSNorm, SiLU-and-mul and RoPE as fused Triton "
+        "auto", "cpu, torch_native or triton (auto: triton on CUDA; on a CPU, cpu when its C++ kernels compile, "
+        "else torch_native). cpu is torch_native with decode rows read straight from the KV pool by a C++ kernel, "
+        "and RMSNorm, SiLU-and-mul and RoPE in C++ (built on first use, float32). triton runs them as fused Triton "
         "kernels; on CPU it needs TRITON_INTERPRET=1 (tests)",
         choices=("auto", "cpu", "torch_native", "triton"))
     disable_cuda_graph: bool = _opt(False, "do not capture decode in CUDA graphs (CUDA with the triton backend only)")
