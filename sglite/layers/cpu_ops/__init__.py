@@ -13,7 +13,6 @@ sglite).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import platform
@@ -91,6 +90,10 @@ def _build() -> ModuleType:
         verify_ninja_availability()
     except (ImportError, RuntimeError) as e:
         raise KernelBuildError(f"cannot build C++ extensions here: {e}") from None
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        raise KernelBuildError("the CPU kernels are built on Linux and macOS only") from None
     built = (build_dir / f"{name}.so").exists()
     # one build at a time across processes; the lock goes with a killed process, whereas
     # torch's own lock file would stay behind and make every later load wait forever

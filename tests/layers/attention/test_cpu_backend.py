@@ -158,3 +158,19 @@ def test_engine_tokens_equal_torch_native_through_retracts_and_mixed_rounds():
             engine.shutdown()
 
     assert generate("cpu") == generate("torch_native")
+
+
+def test_a_lock_file_left_by_a_killed_build_does_not_hang_the_next_start(tmp_path):
+    """torch's build lock, left behind by a build that was killed, would make every
+    later load wait for ever; sglite clears it under its own (flock) lock."""
+    import os
+    import subprocess
+    import sys
+
+    build_dir = cpu_ops.load_cpu_ops().__file__.rsplit("/", 1)[0]
+    lock = os.path.join(build_dir, "lock")
+    open(lock, "w").close()
+    code = "from sglite.layers.cpu_ops import load_cpu_ops; load_cpu_ops().rmsnorm"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert not os.path.exists(lock)
