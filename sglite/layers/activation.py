@@ -19,8 +19,6 @@ class SiluAndMul(CustomOp):
         return silu_and_mul(x)
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
-            return self.forward_native(x)
         from sglite.layers.cpu_ops import load_cpu_ops
 
         out = torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=x.dtype)

@@ -38,8 +38,6 @@ class RMSNorm(CustomOp):
     def forward_cpu(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if x.dtype != torch.float32:
-            return self.forward_native(x, residual)
         from sglite.layers.cpu_ops import load_cpu_ops
 
         x = x.contiguous()

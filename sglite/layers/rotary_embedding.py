@@ -72,8 +72,6 @@ class RotaryEmbedding(CustomOp):
     def forward_cpu(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if q.dtype != torch.float32 or q.stride(-1) != 1 or k.stride(-1) != 1:
-            return self.forward_native(positions, q, k)
         from sglite.layers.cpu_ops import load_cpu_ops
 
         ops, positions = load_cpu_ops(), positions.contiguous()

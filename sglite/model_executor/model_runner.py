@@ -30,37 +30,40 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 
 
 def resolve_attention_backend(name: str, device: str, dtype: torch.dtype = torch.float32) -> str:
-    """auto: triton on CUDA; on a CPU, cpu when the pools are float32 and its C++ kernel
-    builds, else torch_native (saying why). triton on CPU needs TRITON_INTERPRET=1."""
+    """auto: triton on CUDA; on a CPU, cpu when the pools are float32 and its C++ kernels
+    build, else torch_native (saying why). Building them is what checks cpu, so this
+    runs after the weights load; ModelRunner checks triton before (triton_utils)."""
     if name == "auto":
         if device.startswith("cuda"):
             return "triton"
         if dtype != torch.float32:
             return "torch_native"
-        from sglite.layers.cpu_ops import KernelBuildError, load_cpu_ops
-
-        try:
-            load_cpu_ops()
-        except KernelBuildError as e:
-            logger.warning("attention backend torch_native (decode rows gather their K/V each layer): %s", e)
+        why = _cpu_ops_unavailable()
+        if why:
+            logger.warning("attention backend torch_native (decode rows gather their K/V each layer): %s", why)
             return "torch_native"
         return "cpu"
-    if name == "triton":
-        from sglite.layers.triton_utils import check_triton_usable
-
-        check_triton_usable(device)
     if name == "cpu":
         if device.startswith("cuda"):
             raise ValueError("--attention-backend cpu runs on a CPU; use triton or torch_native on CUDA")
         if dtype != torch.float32:
             raise ValueError(f"--attention-backend cpu needs float32 KV pools (--dtype float32), not {dtype}")
-        from sglite.layers.cpu_ops import KernelBuildError, load_cpu_ops
-
-        try:
-            load_cpu_ops()
-        except KernelBuildError as e:
-            raise ValueError(f"--attention-backend cpu: {e}; --attention-backend torch_native needs no compiler") from None
+        why = _cpu_ops_unavailable()
+        if why:
+            raise ValueError(f"--attention-backend cpu: {why}; --attention-backend torch_native needs no compiler")
     return name
+
+
+def _cpu_ops_unavailable() -> str:
+    """Why sglite's C++ CPU kernels cannot run here ('' when they can); builds them the
+    first time on a machine."""
+    from sglite.layers.cpu_ops import KernelBuildError, load_cpu_ops
+
+    try:
+        load_cpu_ops()
+    except KernelBuildError as e:
+        return str(e)
+    return ""
 
 
 def _available_memory_bytes(device: str) -> int:

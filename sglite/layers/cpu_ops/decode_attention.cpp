@@ -12,7 +12,6 @@
 #include "common.h"
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <vector>
 
