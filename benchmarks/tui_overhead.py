@@ -1,17 +1,19 @@
 """Engine throughput with and without the TUI attached (headless Textual), and the
 screen updates per second. Goals: ratio >= 0.9, >= 10 screen updates/s.
 
-"Engine alone" steps the workload in a process of its own with nothing subscribed.
-"Engine + TUI" is what `sglite tui` runs: the engine in its own process, shipping every
+"Engine alone" steps the workload in a process of its own with nothing subscribed and
+torch's default threads. "Engine + TUI" is what `sglite tui` runs: the engine in its own
+process with a core left to the screen (`tui.host.engine_threads`), shipping every
 iteration's events (with scheduler snapshots) to the screen, which folds them into
-views and draws the newest at most every `tui.app.UI_INTERVAL` seconds. Both are timed
-from the start of the first iteration to the end of the last. The two alternate
-`--repeats` times and the median of each is compared (a small VM's speed drifts by
-10-20 % from run to run).
+views and draws the newest at most every `tui.app.UI_INTERVAL` seconds. A third row runs
+the engine alone with the TUI's thread count, which splits the ratio into what the core
+left to the screen costs and what the screen itself costs. All are timed from the start
+of the first iteration to the end of the last. They alternate `--repeats` times and the
+medians are compared (a small VM's speed drifts by 10-20 % from run to run).
 
 A screen update draws a new iteration, so the screen cannot update more often than the
 engine finishes iterations: the update goal is 10 a second, or every iteration when
-the engine makes fewer than 10 a second (smollm2 on 2 cores makes about 3).
+the engine makes fewer than 10 a second (smollm2 on 2 cores makes about 6).
 
     python benchmarks/tui_overhead.py                                  # smollm2-135m, pool-pressure
     python benchmarks/tui_overhead.py --model tiny-random --repeat 20  # hundreds of iterations/s
@@ -35,9 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sglite import events as ev  # noqa: E402
 from sglite.engine import Engine  # noqa: E402
-from tui.app import UI_INTERVAL, LiveFeed, SchedulerApp  # noqa: E402
-from tui.host import serve_in_process  # noqa: E402
+from tui.app import LiveFeed, SchedulerApp  # noqa: E402
+from tui.host import engine_threads, serve_in_process  # noqa: E402
 from tui.workloads import BUILTIN, Workload, builtin  # noqa: E402
+
+WATCH_INTERVAL = 0.1  # seconds between looks at whether every request finished
 
 
 @dataclass
@@ -65,8 +69,20 @@ def engine_kwargs(model: str, workload: Workload) -> dict:
     return {"model_path": model, "log_level": "error", **workload.server_args}
 
 
-def without_tui(model: str, workload: Workload) -> Run:
-    """The host's loop (arrivals by iteration, one step at a time) with no viewer."""
+def without_tui(model: str, workload: Workload, threads: int | None = None) -> Run:
+    """The host's loop (arrivals by iteration, one step at a time) with no viewer, on
+    ``threads`` torch threads (default: torch's own choice)."""
+    import torch
+
+    default = torch.get_num_threads()
+    torch.set_num_threads(threads or default)
+    try:
+        return _without_tui(model, workload)
+    finally:
+        torch.set_num_threads(default)  # the pool's process runs the next side too
+
+
+def _without_tui(model: str, workload: Workload) -> Run:
     engine = Engine(**engine_kwargs(model, workload))
     engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})  # warm up
     pending = sorted(workload.arrivals, key=lambda a: a.at)
@@ -110,8 +126,10 @@ def with_tui(model: str, workload: Workload) -> Run:
     async def run() -> None:
         async with app.run_test(size=(200, 50)) as pilot:
             await pilot.press("space")
+            # plain sleeps: Pilot.pause forces a repaint each call, which at this rate was a
+            # sixth of a core the app never spends in a terminal
             while feed.builder.finished < n_reqs:
-                await pilot.pause(UI_INTERVAL)
+                await asyncio.sleep(WATCH_INTERVAL)
                 if feed.error:
                     raise RuntimeError(feed.error)
             await pilot.press("q")
@@ -138,25 +156,42 @@ def main() -> int:
     if args.repeat < 1 or args.every < 0:
         ap.error("--repeat must be >= 1 and --every >= 0")
     workload = repeated(args.workload, args.repeat, args.every)
-    alone: list[Run] = []
-    shown: list[Run] = []
+    import torch
+
+    threads = {"alone": torch.get_num_threads(), "tui": engine_threads()}
+    sides = ["alone", "alone-tui-threads", "tui"] if threads["tui"] != threads["alone"] else ["alone", "tui"]
+    runs: dict[str, list[Run]] = {side: [] for side in sides}
     with multiprocessing.get_context("spawn").Pool(1) as pool:  # a process of its own, like the TUI's engine
         for i in range(args.repeats):
-            print(f"[{i + 1}/{args.repeats}] engine alone ...", file=sys.stderr, flush=True)
-            alone.append(pool.apply(without_tui, (args.model, workload)))
-            print(f"[{i + 1}/{args.repeats}] engine + TUI ...", file=sys.stderr, flush=True)
-            shown.append(with_tui(args.model, workload))
-    a = statistics.median(r.tok_s for r in alone)
-    b = statistics.median(r.tok_s for r in shown)
-    ratio = b / a
+            for side in sides if i % 2 == 0 else sides[::-1]:
+                print(f"[{i + 1}/{args.repeats}] {side} ...", file=sys.stderr, flush=True)
+                if side == "tui":
+                    runs[side].append(with_tui(args.model, workload))
+                else:
+                    n = threads["alone"] if side == "alone" else threads["tui"]
+                    runs[side].append(pool.apply(without_tui, (args.model, workload, n)))
+    med = {side: statistics.median(r.tok_s for r in rs) for side, rs in runs.items()}
+    ratio = med["tui"] / med["alone"]
+    shown = runs["tui"]
     ups = statistics.median(r.updates / r.updates_seconds for r in shown)
     its = statistics.median(r.iterations / r.seconds for r in shown)
     need = min(10.0, its)
+
+    def threads_label(n: int) -> str:
+        return f"{n} thread{'s' if n > 1 else ''}"
+
+    names = {"alone": f"engine alone, {threads_label(threads['alone'])}",
+             "alone-tui-threads": f"engine alone, {threads_label(threads['tui'])}",
+             "tui": f"engine + TUI, {threads_label(threads['tui'])}"}
+    width = max(18, 8 * args.repeats + 2)
     print(f"model {args.model}, workload {workload.name}, median of {args.repeats}")
-    print(f"{'':<16}{'tok/s (each run)':>34}{'median':>9}")
-    for name, runs, med in (("engine alone", alone, a), ("engine + TUI", shown, b)):
-        print(f"{name:<16}{'  '.join(f'{r.tok_s:6.1f}' for r in runs):>34}{med:>9.1f}")
+    print(f"{'':<26}{'tok/s (each run)':>{width}}{'median':>9}")
+    for side in sides:
+        print(f"{names[side]:<26}{'  '.join(f'{r.tok_s:6.1f}' for r in runs[side]):>{width}}{med[side]:>9.1f}")
     print(f"ratio {ratio:.3f} (goal >= 0.90: {'met' if ratio >= 0.9 else 'NOT met'})")
+    if "alone-tui-threads" in med:
+        print(f"  = the core left to the screen {med['alone-tui-threads'] / med['alone']:.3f}"
+              f" x the screen itself {med['tui'] / med['alone-tui-threads']:.3f}")
     print(f"engine {its:.1f} iterations/s; screen {ups:.1f} updates/s "
           f"(goal >= {need:.1f}: {'met' if ups >= 0.95 * need else 'NOT met'})")
     return 0

@@ -16,7 +16,7 @@ from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.message import Message
-from textual.widgets import Footer, Header, Input, RichLog, Sparkline, Static
+from textual.widgets import Footer, Input, RichLog, Sparkline, Static
 
 from sglite.server_args import SCHEDULE_POLICIES
 from tui.state import LOG_KEEP, ReqInfo, View, ViewBuilder
@@ -161,6 +161,22 @@ class RadixTreeView(Static):
         self._extent = extent
 
 
+class TitleBar(Static):
+    """The top line: the app's title and sub-title (state, iteration, loop, model).
+
+    Textual's Header redraws its title with a layout pass, and the sub-title changes
+    every frame: that made every frame a whole-screen repaint. The bar's size never
+    depends on its text, so an update here repaints this one line."""
+
+    DEFAULT_CSS = """
+    TitleBar { dock: top; width: 100%; height: 1; background: $panel; color: $foreground;
+               text-wrap: nowrap; text-overflow: ellipsis; content-align: center middle; }
+    """
+
+    def show(self, title: str, sub_title: str) -> None:
+        self.update(self.app.format_title(title, sub_title), layout=False)
+
+
 class DetailScreen(ModalScreen):
     """One request: its stages so far and its text (live, or as of the replayed iteration)."""
 
@@ -266,7 +282,7 @@ class SchedulerApp(App):
         return True
 
     def compose(self) -> ComposeResult:
-        yield Header(show_clock=False)
+        yield TitleBar(id="titlebar")
         with Grid():
             # short headers so the columns fit at 80x24 (the border titles name the panels)
             yield RowTable(("rid", "len", "cached", "wait"), id="waiting")
@@ -290,7 +306,7 @@ class SchedulerApp(App):
         for wid, title in (("waiting", "waiting_queue"), ("running", "running_batch"), ("plan", "this round"),
                            ("poolbox", "KV pool"), ("treebox", "radix tree"), ("log", "events")):
             self.query_one(f"#{wid}").border_title = title
-        self.sub_title = self.subtitle_base
+        self._set_sub_title(self.subtitle_base)
         if self.replay and self.views:
             self.render_view(self.views[0])
         self.set_interval(UI_INTERVAL, self._tick)
@@ -343,9 +359,13 @@ class SchedulerApp(App):
         where = f" {self.index + 1}/{len(self.views)}" if self.replay else ""
         loop = " · overlap loop" if v.overlap else " · normal loop" if v.has_snapshots else ""
         # most important first: a narrow terminal cuts the end
-        self.sub_title = f"{state}{where} · iter {v.iteration}{loop} · {self.subtitle_base}"
+        self._set_sub_title(f"{state}{where} · iter {v.iteration}{loop} · {self.subtitle_base}")
         if isinstance(self.screen, DetailScreen):
             self.screen.show(self.requests.get(self.screen.rid), v)
+
+    def _set_sub_title(self, text: str) -> None:
+        # not App.sub_title: setting that reactive repaints the whole screen
+        self.query_one("#titlebar", TitleBar).show(self.title, text)
 
     def _render_pool(self, v: View) -> None:
         pool = self.query_one("#pool", Static)

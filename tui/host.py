@@ -229,24 +229,27 @@ class _ToScreen(logging.Handler):
         self.outbox.put(("log", f"[yellow]{record.getMessage()}[/]"))
 
 
-def _leave_a_core_for_the_screen() -> None:
-    """The screen draws on a core of its own: with torch's intra-op threads on every core,
-    each frame would stall the forward at its next OpenMP barrier (on 2 cores the engine
-    ran at 0.6x of its speed alone; with one thread left to the screen, 0.8-0.9x).
-    OMP_NUM_THREADS, when set, wins."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return
+def engine_threads() -> int:
+    """Torch intra-op threads for an engine that shares the machine with the screen: all
+    cores but one, so the screen draws on a core of its own. With torch's threads on every
+    core, each frame stalls the forward at its next OpenMP barrier (on 2 cores the engine
+    ran at 0.6x of its speed alone; with a core left to the screen, 0.8-0.9x, most of it
+    the core: see benchmarks/tui_overhead.py). OMP_NUM_THREADS, when set, wins."""
     import torch
 
+    if "OMP_NUM_THREADS" in os.environ:
+        return torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), cores - 1)))
+    return max(1, min(torch.get_num_threads(), cores - 1))
 
 
 def _process_main(engine_kwargs: dict[str, Any], workload: str | Workload, paused: bool, viewer_args: Any,
                   inbox: Any, outbox: Any) -> None:
     close = None
     try:
-        _leave_a_core_for_the_screen()
+        import torch
+
+        torch.set_num_threads(engine_threads())
         from sglite.engine import Engine
 
         if isinstance(workload, str):
