@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import struct
 import sys
 import time
 from pathlib import Path
@@ -85,7 +86,7 @@ def _build() -> ModuleType:
     except OSError as e:
         raise KernelBuildError(f"cannot create {build_dir}: {e.strerror}") from None
     try:
-        from torch.utils.cpp_extension import load, verify_ninja_availability
+        from torch.utils.cpp_extension import verify_ninja_availability
 
         verify_ninja_availability()
     except (ImportError, RuntimeError) as e:
@@ -94,7 +95,8 @@ def _build() -> ModuleType:
         import fcntl
     except ImportError:  # not a POSIX system
         raise KernelBuildError("the CPU kernels are built on Linux and macOS only") from None
-    built = (build_dir / f"{name}.so").exists()
+    so = build_dir / f"{name}.so"
+    built = so.exists()
     # one build at a time across processes; the lock goes with a killed process, whereas
     # torch's own lock file would stay behind and make every later load wait forever
     with open(build_dir / "sglite.lock", "w") as lock:
@@ -104,15 +106,56 @@ def _build() -> ModuleType:
             print(f"sglite: compiling the CPU kernels into {build_dir} (once per machine, about a minute)",
                   file=sys.stderr, flush=True)
         t0 = time.monotonic()
-        try:
-            module = load(name, [str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-                          build_directory=str(build_dir), verbose=False)
-        except Exception as e:  # noqa: BLE001 - compiler errors come as several exception types
-            raise KernelBuildError(f"compiling the CPU kernels failed: {_first_error(str(e))} "
-                                   f"(is a C++ compiler with Python's headers installed? build dir: {build_dir})") from None
+        # a build that a killed process left half-written can look up to date to ninja;
+        # loading a truncated module kills the process (SIGBUS), so check it first
+        if built and not _complete(so):
+            print(f"sglite: {so} is incomplete (a build was killed?); linking it again", file=sys.stderr, flush=True)
+            so.unlink()
+            built = False
+        retry = built  # a build that is there and does not load: once more, from scratch
+        while True:
+            try:
+                module = _load(name, build_dir)
+                break
+            except Exception as e:  # noqa: BLE001 - compiler and loader errors come as several exception types
+                why = _first_error(str(e))
+                if not retry:
+                    raise KernelBuildError(f"compiling the CPU kernels failed: {why} (is a C++ compiler with "
+                                           f"Python's headers installed? build dir: {build_dir})") from None
+                print(f"sglite: the CPU kernels in {build_dir} did not load ({why}); compiling them again",
+                      file=sys.stderr, flush=True)
+                _clear(build_dir)
+                retry = built = False
         if not built:
             print(f"sglite: compiled in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     return module
+
+
+def _load(name: str, build_dir: Path) -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    return load(name, [str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                build_directory=str(build_dir), verbose=False)
+
+
+def _complete(so: Path) -> bool:
+    """False for an ELF file shorter than its own header says (the section table is the
+    file's last part, so any cut shows); other formats (macOS) are not checked."""
+    with open(so, "rb") as f:
+        head = f.read(64)
+    if head[:4] != b"\x7fELF":
+        return sys.platform != "linux"
+    if head[4] != 2 or head[5] != 1:  # only 64-bit little-endian is checked
+        return True
+    shoff, = struct.unpack_from("<Q", head, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", head, 0x3A)
+    return so.stat().st_size >= shoff + shentsize * shnum
+
+
+def _clear(build_dir: Path) -> None:
+    for path in build_dir.iterdir():
+        if path.is_file() and path.name != "sglite.lock":
+            path.unlink()
 
 
 def _first_error(log: str) -> str:

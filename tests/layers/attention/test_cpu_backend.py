@@ -174,3 +174,29 @@ def test_a_lock_file_left_by_a_killed_build_does_not_hang_the_next_start(tmp_pat
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert not os.path.exists(lock)
+
+
+def test_a_module_a_killed_build_left_truncated_is_built_again(tmp_path):
+    """A .so cut short (a link killed half-way) can look up to date to ninja, and loading
+    it kills the process (SIGBUS); the next start relinks it instead."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    so = cpu_ops.load_cpu_ops().__file__
+    build_dir = tmp_path / os.path.basename(os.path.dirname(so))
+    shutil.copytree(os.path.dirname(so), build_dir)
+    copy = build_dir / os.path.basename(so)
+    size = copy.stat().st_size
+    with open(copy, "r+b") as f:
+        f.truncate(4096)
+    code = ("import torch; from sglite.layers.cpu_ops import load_cpu_ops; x = torch.randn(3, 64); "
+            "out = torch.empty_like(x); load_cpu_ops().rmsnorm(x, torch.ones(64), out, 1e-6); "
+            "print(torch.allclose(out, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), atol=1e-5))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "True"
+    assert "is incomplete (a build was killed?); linking it again" in proc.stderr
+    assert copy.stat().st_size == size
