@@ -6,9 +6,9 @@ SGLang ships its CPU kernels prebuilt (sgl-kernel); sglite compiles its kernels 
 source the first time a CPU engine starts, for this machine's CPU (``-march=native``),
 where torch keeps JIT-built extensions (``$TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``); later starts load the built module in well under a
-second. A change of source, flags, torch, Python or CPU gets a fresh build (the hash in
-the module's name). Needs a C++ compiler, Python's headers and ninja (a dependency of
-sglite).
+second. A change of source, flags, torch (or its environment), Python or CPU gets a
+fresh build (the hash in the module's name). Needs a C++ compiler, Python's headers and
+ninja (a dependency of sglite).
 """
 
 from __future__ import annotations
@@ -50,11 +50,15 @@ def _cpu_flags() -> str:
 
 
 def build_name() -> str:
-    """The extension's name: what it was built from, hashed (a different hash, a new build)."""
+    """The extension's name: what it was built from and where torch is, hashed (a
+    different hash, a new build)."""
     h = hashlib.sha256()
     for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
-    for part in (*CFLAGS, *LDFLAGS, torch.__version__, sys.version, platform.machine(), _cpu_flags()):
+    # torch's install directory too: its headers' paths are in the build's command lines, so
+    # two environments sharing one build directory would rebuild it at every switch
+    for part in (*CFLAGS, *LDFLAGS, torch.__version__, str(Path(torch.__file__).parent), sys.version,
+                 platform.machine(), _cpu_flags()):
         h.update(part.encode())
     return f"sglite_cpu_ops_{h.hexdigest()[:16]}"
 
