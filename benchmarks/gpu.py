@@ -445,15 +445,17 @@ def measure_decode_attention(report: Report, context: int, batch_sizes: tuple[in
         nbytes = tokens * (2 * kvh * d * elem + r2t.element_size()) + 2 * bs * h * d * elem
         report.bandwidth.append(BandwidthRow(bs, context, n_splits, "shuffled" if shuffled else "contiguous", t,
                                              nbytes / 1e9, default_splits=splits is None))
-        del case, pool
-        torch.cuda.empty_cache()
+
+    def measure(bs: int, splits: int | None, shuffled: bool) -> None:
+        one(bs, splits, shuffled)
+        torch.cuda.empty_cache()  # the case's KV pool went with one()'s locals
 
     for bs in batch_sizes:
-        one(bs, None, False)
+        measure(bs, None, False)
     big = max(batch_sizes)
     for splits in (1, 2, 4, 8, 16):  # a sweep at the largest batch, for tuning num_kv_splits_for
-        one(big, splits, False)
-    one(big, None, True)
+        measure(big, splits, False)
+    measure(big, None, True)
 
 
 def random_llama_weights(config: Any, seed: int = 0, device: str = "cuda") -> dict[str, Any]:
