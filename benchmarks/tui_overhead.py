@@ -51,6 +51,8 @@ class Run:
     iterations: int
     updates: int = 0  # screen updates between the first iteration's start and the last one's end
     updates_seconds: float = 0.0
+    screen_cpu: float = 0.0  # the screen process's CPU time while the engine ran, in cores
+    screen_ms_per_update: float = 0.0
 
     @property
     def tok_s(self) -> float:
@@ -123,8 +125,11 @@ def with_tui(model: str, workload: Workload) -> Run:
 
     app.render_view = render_view
 
+    cpu: list[float] = []  # (process CPU seconds, monotonic seconds) when the engine starts and ends
+
     async def run() -> None:
         async with app.run_test(size=(200, 50)) as pilot:
+            cpu.extend((time.process_time(), time.monotonic()))
             await pilot.press("space")
             # plain sleeps: Pilot.pause forces a repaint each call, which at this rate was a
             # sixth of a core the app never spends in a terminal
@@ -132,6 +137,7 @@ def with_tui(model: str, workload: Workload) -> Run:
                 await asyncio.sleep(WATCH_INTERVAL)
                 if feed.error:
                     raise RuntimeError(feed.error)
+            cpu.extend((time.process_time(), time.monotonic()))
             await pilot.press("q")
 
     try:
@@ -142,7 +148,10 @@ def with_tui(model: str, workload: Workload) -> Run:
     start, end = busy[0].started, busy[-1].ts
     tokens = sum(r.tokens_at(10**9) for r in feed.builder.requests.values())
     updates = sum(1 for t in drawn if start <= t <= end)
-    return Run(end - start, tokens, len(busy), updates, end - start)
+    c0, w0, c1, w1 = cpu
+    frames = sum(1 for t in drawn if w0 <= t <= w1)
+    return Run(end - start, tokens, len(busy), updates, end - start, (c1 - c0) / (w1 - w0),
+               1000 * (c1 - c0) / max(frames, 1))
 
 
 def main() -> int:
@@ -194,6 +203,8 @@ def main() -> int:
               f" x the screen itself {med['tui'] / med['alone-tui-threads']:.3f}")
     print(f"engine {its:.1f} iterations/s; screen {ups:.1f} updates/s "
           f"(goal >= {need:.1f}: {'met' if ups >= 0.95 * need else 'NOT met'})")
+    print(f"the screen's process: {statistics.median(r.screen_ms_per_update for r in shown):.1f} ms of CPU per update, "
+          f"{statistics.median(r.screen_cpu for r in shown):.0%} of a core")
     return 0
 
 

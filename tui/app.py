@@ -8,6 +8,7 @@ in a replay, from a recording. Either way the same builder makes the same panels
 from __future__ import annotations
 
 import gc
+import time
 from typing import Any
 
 from rich.text import Text
@@ -23,6 +24,10 @@ from tui.state import LOG_KEEP, ReqInfo, View, ViewBuilder
 
 UI_INTERVAL = 0.02  # seconds between looks for a new view (the host ships one at most every tui.host.SHIP_INTERVAL)
 REPLAY_SPEED = 10  # iterations a second while a replay plays
+# while the engine runs, the radix tree and the events log, whose changes of size cost a
+# layout pass of the whole screen, are redrawn at most this often (paused, stepping or
+# replaying: every view)
+SLOW_PANELS_INTERVAL = 0.15
 
 
 class LiveFeed:
@@ -265,6 +270,8 @@ class SchedulerApp(App):
         self._pool_lines = -1  # lines the pool panel showed last
         self._input_mode = "prompt"
         self._ticks = 0
+        self._slow_drawn = 0.0  # when the tree and the log were last drawn (monotonic)
+        self._slow_stale = False  # a view was drawn without them
 
     @property
     def replay(self) -> bool:
@@ -327,6 +334,8 @@ class SchedulerApp(App):
         view = self.feed.pump()
         if view is not None:
             self.render_view(view)
+        elif self._slow_stale and time.monotonic() - self._slow_drawn >= SLOW_PANELS_INTERVAL:
+            self._render_slow_panels(self.last_view)
 
     def show_index(self, i: int) -> None:
         if self.views:
@@ -353,8 +362,10 @@ class SchedulerApp(App):
             flight.append(f"#{v.processed_bid} processed" if wide else f"#{v.processed_bid} done")
         plan.border_subtitle = ", ".join(flight)
         self._render_pool(v)
-        self._render_tree(v)
-        self._render_log(v)
+        if self.replay or self.paused or time.monotonic() - self._slow_drawn >= SLOW_PANELS_INTERVAL:
+            self._render_slow_panels(v)
+        else:
+            self._slow_stale = True
         state = "replay" if self.replay else ("paused" if self.paused else "running")
         where = f" {self.index + 1}/{len(self.views)}" if self.replay else ""
         loop = " · overlap loop" if v.overlap else " · normal loop" if v.has_snapshots else ""
@@ -392,6 +403,11 @@ class SchedulerApp(App):
         self._pool_lines = lines
         self.query_one("#hit", Sparkline).data = v.hit_rate_history or [0.0]
         self.query_one("#tput", Sparkline).data = v.throughput_history or [0.0]
+
+    def _render_slow_panels(self, v: View) -> None:
+        self._render_tree(v)
+        self._render_log(v)
+        self._slow_drawn, self._slow_stale = time.monotonic(), False
 
     def _render_tree(self, v: View) -> None:
         key = (v.tree, v.matched_path)

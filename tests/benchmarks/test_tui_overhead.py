@@ -24,3 +24,5 @@ def test_tui_overhead_prints_the_ratio_and_its_parts():
     if parts:  # more than one core: the TUI's engine runs on one thread fewer
         assert len(medians) == 3 and abs(float(parts[1]) * float(parts[2]) - ratio) < 5e-3
     assert re.search(r"screen [\d.]+ updates/s \(goal >= [\d.]+: (met|NOT met)\)", text)
+    cpu = re.search(r"^the screen's process: ([\d.]+) ms of CPU per update, (\d+)% of a core$", text, re.M)
+    assert cpu and float(cpu[1]) > 0 and 0 < int(cpu[2]) <= 100
