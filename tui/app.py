@@ -8,7 +8,7 @@ in a replay, from a recording. Either way the same builder makes the same panels
 from __future__ import annotations
 
 import gc
-import time
+from time import monotonic
 from typing import Any
 
 from rich.text import Text
@@ -334,7 +334,7 @@ class SchedulerApp(App):
         view = self.feed.pump()
         if view is not None:
             self.render_view(view)
-        elif self._slow_stale and time.monotonic() - self._slow_drawn >= SLOW_PANELS_INTERVAL:
+        elif self._slow_stale and monotonic() - self._slow_drawn >= SLOW_PANELS_INTERVAL:
             self._render_slow_panels(self.last_view)
 
     def show_index(self, i: int) -> None:
@@ -362,7 +362,7 @@ class SchedulerApp(App):
             flight.append(f"#{v.processed_bid} processed" if wide else f"#{v.processed_bid} done")
         plan.border_subtitle = ", ".join(flight)
         self._render_pool(v)
-        if self.replay or self.paused or time.monotonic() - self._slow_drawn >= SLOW_PANELS_INTERVAL:
+        if self.replay or self.paused or monotonic() - self._slow_drawn >= SLOW_PANELS_INTERVAL:
             self._render_slow_panels(v)
         else:
             self._slow_stale = True
@@ -407,7 +407,7 @@ class SchedulerApp(App):
     def _render_slow_panels(self, v: View) -> None:
         self._render_tree(v)
         self._render_log(v)
-        self._slow_drawn, self._slow_stale = time.monotonic(), False
+        self._slow_drawn, self._slow_stale = monotonic(), False
 
     def _render_tree(self, v: View) -> None:
         key = (v.tree, v.matched_path)

@@ -225,6 +225,51 @@ def test_keys_step_pause_add_prompt_policy_and_workload():
     asyncio.run(scenario())
 
 
+def test_while_running_the_tree_and_log_catch_up_within_the_interval(monkeypatch):
+    """Running, the radix tree and the events log are redrawn at most every
+    SLOW_PANELS_INTERVAL (their layout passes cost a whole-screen repaint); the tables
+    show every view; once the interval passes, or on pause, all panels show the newest."""
+    import tui.app as tui_app
+
+    now = [1000.0]
+    monkeypatch.setattr(tui_app, "monotonic", lambda: now[0])
+
+    async def scenario():
+        engine = make_engine()
+        host, conn = by_hand(engine)
+        app = SchedulerApp(LiveFeed(conn, {}), title="test", paused=False)
+        async with app.run_test(size=(200, 50)) as pilot:
+            host.step()
+            app._tick()  # the first view: everything drawn
+            await pilot.pause()
+            drawn = panel_texts(app)
+            assert app.last_view.iteration == 1
+            for _ in range(60):  # run until the log has news
+                host.step()
+                if len(app.feed.builder.log) > len(drawn["log"]):
+                    break
+            now[0] += tui_app.SLOW_PANELS_INTERVAL / 2
+            app._tick()
+            await pilot.pause()
+            lagging = panel_texts(app)
+            assert lagging["running"] != drawn["running"] or lagging["plan"] != drawn["plan"]
+            assert lagging["log"] == drawn["log"] and lagging["tree"] == drawn["tree"]
+            now[0] += tui_app.SLOW_PANELS_INTERVAL
+            app._tick()  # no new view: the stale panels are drawn
+            await pilot.pause()
+            caught_up = panel_texts(app)
+            assert caught_up["log"] != drawn["log"] and caught_up["log"][-1] in app.feed.builder.log[-1]
+            host.step()
+            now[0] += tui_app.SLOW_PANELS_INTERVAL / 2
+            app._tick()
+            await pilot.pause()
+            await pilot.press("space")  # pause: the newest view, every panel
+            await pilot.pause()
+            assert app.paused and panel_texts(app)["log"][-1] in app.feed.builder.log[-1]
+
+    asyncio.run(scenario())
+
+
 def test_space_runs_at_start_and_a_click_on_a_row_opens_that_request():
     async def scenario():
         engine = make_engine()
