@@ -313,7 +313,7 @@ class SchedulerApp(App):
         for wid, title in (("waiting", "waiting_queue"), ("running", "running_batch"), ("plan", "this round"),
                            ("poolbox", "KV pool"), ("treebox", "radix tree"), ("log", "events")):
             self.query_one(f"#{wid}").border_title = title
-        self._set_sub_title(self.subtitle_base)
+        self._show_top_line(self.subtitle_base)
         if self.replay and self.views:
             self.render_view(self.views[0])
         self.set_interval(UI_INTERVAL, self._tick)
@@ -370,11 +370,11 @@ class SchedulerApp(App):
         where = f" {self.index + 1}/{len(self.views)}" if self.replay else ""
         loop = " · overlap loop" if v.overlap else " · normal loop" if v.has_snapshots else ""
         # most important first: a narrow terminal cuts the end
-        self._set_sub_title(f"{state}{where} · iter {v.iteration}{loop} · {self.subtitle_base}")
+        self._show_top_line(f"{state}{where} · iter {v.iteration}{loop} · {self.subtitle_base}")
         if isinstance(self.screen, DetailScreen):
             self.screen.show(self.requests.get(self.screen.rid), v)
 
-    def _set_sub_title(self, text: str) -> None:
+    def _show_top_line(self, text: str) -> None:
         # not App.sub_title: setting that reactive repaints the whole screen
         self.query_one("#titlebar", TitleBar).show(self.title, text)
 
