@@ -9,8 +9,13 @@ them out (``--shuffle-slots``: every slot anywhere in the pool, which costs the 
 TLB misses). Times one layer's attention (K/V store included), the two backends taking
 turns so that a drift of the machine's speed hits both; checks they agree.
 
+``--shared-prefix N`` gives every request the same first N KV slots, as chats on one
+cached system prompt: torch_native then attends those once per layer for the whole
+group (its cascade path); the cpu backend reads them per request through the kernel.
+
     python benchmarks/cpu_attention.py                  # batches of 1, 8, 32 and 64
     python benchmarks/cpu_attention.py --batch-sizes 32 --iters 200
+    python benchmarks/cpu_attention.py --shared-prefix 300
 """
 
 from __future__ import annotations
@@ -33,9 +38,18 @@ from sglite.layers.attention.torch_native_backend import TorchNativeAttnBackend 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 
 
-def seq_lens(bs: int, seed: int) -> list[int]:
+def seq_lens(bs: int, seed: int, shared_prefix: int = 0) -> list[int]:
     rng = random.Random(seed)
+    if shared_prefix:  # a chat's own turn and answer after the shared prompt
+        return [shared_prefix + rng.randint(1, 200) for _ in range(bs)]
     return [rng.randint(50, 500) + rng.randint(0, 200) for _ in range(bs)]
+
+
+def share_first_slots(case, n: int) -> None:  # noqa: ANN001
+    """Every request's positions 0..n-1 read the first request's slots (a radix hit)."""
+    fb = case.forward_batch
+    r2t, rows = fb.req_to_token_pool.req_to_token, fb.req_pool_indices.tolist()
+    r2t[rows[1:], :n] = r2t[rows[0], :n]
 
 
 def time_per_call(backend, case, iters: int) -> float:
@@ -56,23 +70,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="timings per backend, taking turns; the median is shown")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shuffle-slots", action="store_true", help="KV slots in a random order over the whole pool")
+    ap.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                    help="every request's first N positions share their KV slots (default 0: none)")
     args = ap.parse_args(argv)
     try:
         sizes = [int(x) for x in args.batch_sizes.split(",")]
-        if not sizes or min(sizes) < 1 or args.iters < 1 or args.rounds < 1:
+        if not sizes or min(sizes) < 1 or args.iters < 1 or args.rounds < 1 or args.shared_prefix < 0:
             raise ValueError
     except ValueError:
-        ap.error("--batch-sizes takes positive integers (1,8,32); --iters and --rounds positive")
+        ap.error("--batch-sizes takes positive integers (1,8,32); --iters and --rounds positive; "
+                 "--shared-prefix >= 0")
     print(f"decode attention, one layer: {HEADS} heads, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, float32, "
-          f"{torch.get_num_threads()} torch threads, KV slots {'shuffled' if args.shuffle_slots else 'in runs'}; "
+          f"{torch.get_num_threads()} torch threads, KV slots {'shuffled' if args.shuffle_slots else 'in runs'}"
+          f"{f', the first {args.shared_prefix} shared by every request' if args.shared_prefix else ''}; "
           f"median of {args.rounds} rounds of {args.iters} calls",
           flush=True)
     print("\n| batch | keys read | torch_native ms | cpu ms | torch_native ÷ cpu | max abs diff |")
     print("|---:|---:|---:|---:|---:|---:|")
     for bs in sizes:
-        lens = seq_lens(bs, args.seed + bs)
+        lens = seq_lens(bs, args.seed + bs, args.shared_prefix)
         case = make_paged_case([n - 1 for n in lens], [1] * bs, HEADS, KV_HEADS, HEAD_DIM, decode=True,
                                seed=args.seed, shuffle_slots=args.shuffle_slots)
+        if args.shared_prefix:
+            share_first_slots(case, args.shared_prefix)
         native, cpu = TorchNativeAttnBackend(), CpuAttnBackend()
         diff = (run_attention(native, case) - run_attention(cpu, case)).abs().max().item()
         times: dict[str, list[float]] = {"native": [], "cpu": []}

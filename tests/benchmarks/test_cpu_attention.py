@@ -23,3 +23,22 @@ def test_bad_batch_sizes_are_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         cpu_attention.main(["--batch-sizes", "0,x"])
     assert e.value.code == 2 and "--batch-sizes takes positive integers" in capsys.readouterr().err
+
+
+def test_shared_prefix_rows_agree_and_torch_native_attends_the_prefix_once(capsys, monkeypatch):
+    from sglite.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    grouped = []
+    plan = TorchNativeAttnBackend.init_forward_metadata
+
+    def spy(self, fb):  # noqa: ANN001
+        plan(self, fb)
+        grouped.append((self.name, len(self._groups)))
+
+    monkeypatch.setattr(TorchNativeAttnBackend, "init_forward_metadata", spy)
+    assert cpu_attention.main(["--batch-sizes", "4", "--iters", "1", "--rounds", "1", "--shared-prefix", "300"]) == 0
+    out = capsys.readouterr().out
+    assert "the first 300 shared by every request" in out
+    (row,) = [ln for ln in out.splitlines() if re.match(r"\| 4 \|", ln)]
+    assert float(row.strip("|").split("|")[5]) < 1e-4
+    assert ("torch_native", 1) in grouped and ("cpu", 0) in grouped  # the cascade against the kernel

@@ -21,7 +21,8 @@ A request's result does not depend on which others share its batch, up to float
 rounding (a shared prefix changes the order of the sums).
 
 The cpu backend (cpu_backend.py) is this class with ``_plan_one_row`` and
-``_attend_one_row`` replaced: its one-row requests go to a C++ kernel instead of chunks.
+``_attend_one_row`` replaced and no shared-prefix groups: all its one-row requests go to
+a C++ kernel instead of chunks.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ class _SharedPrefixGroup:
 
 class TorchNativeAttnBackend(AttentionBackend):
     name = "torch_native"
+    # group one-row requests that share a cached prefix (above); the cpu backend does not
+    attend_shared_prefixes_once = True
 
     def __init__(self) -> None:
         self._views: list[_ReqView] = []
@@ -109,8 +112,10 @@ class TorchNativeAttnBackend(AttentionBackend):
             prefixes = forward_batch.extend_prefix_lens_cpu
         pool_indices = forward_batch.req_pool_indices.tolist()
         one_row = [i for i in range(bs) if q_lens[i] == 1]
-        self._groups, grouped = self._find_shared_prefixes(req_to_token, one_row, pool_indices, seq_lens, q_starts,
-                                                           device)
+        self._groups, grouped = [], set()
+        if self.attend_shared_prefixes_once:
+            self._groups, grouped = self._find_shared_prefixes(req_to_token, one_row, pool_indices, seq_lens,
+                                                               q_starts, device)
         alone = [i for i in one_row if i not in grouped]
         self._plan_one_row(req_to_token, [q_starts[i] for i in alone], [pool_indices[i] for i in alone],
                            [seq_lens[i] for i in alone], device)
