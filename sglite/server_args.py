@@ -56,6 +56,8 @@ class ServerArgs:
     disable_cuda_graph: bool = _opt(False, "do not capture decode in CUDA graphs (CUDA with the triton backend only)")
     cuda_graph_max_bs: int | None = _opt(None, "largest decode batch captured in a CUDA graph; larger batches run "
                                          "eagerly (default: min(128, max_running_requests))")
+    disable_cpu_graph: bool = _opt(False, "run CPU decode forwards module by module in Python instead of as one C++ "
+                                   "call that leaves the GIL (the cpu attention backend only)")
     # observability
     decode_log_interval: int = _opt(40, "log a 'Decode batch.' line every N decode rounds")
     log_level: str = _opt("warning", "logging level of the sglite logger", choices=("debug", "info", "warning", "error"))

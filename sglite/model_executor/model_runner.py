@@ -108,6 +108,7 @@ class ModelRunner:
         self.init_memory_pool()
         self.attn_backend = self._build_attn_backend()
         self.init_cuda_graphs()
+        self.init_cpu_graph()
 
     def _build_model(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> LlamaForCausalLM:
         with torch.device("meta"):
@@ -144,6 +145,15 @@ class ModelRunner:
 
         self.cuda_graph_runner = CudaGraphRunner(self)
 
+    def init_cpu_graph(self) -> None:
+        """Run decode forwards as one C++ call: a CPU with the cpu attention backend."""
+        self.cpu_graph_runner = None
+        if self.attention_backend != "cpu" or self.server_args.disable_cpu_graph:
+            return
+        from sglite.model_executor.cpu_graph_runner import CpuGraphRunner
+
+        self.cpu_graph_runner = CpuGraphRunner(self)
+
     def profile_max_num_token(self) -> int:
         c = self.model_config
         cell = MHATokenToKVPool.cell_size(c.num_key_value_heads, c.head_dim, c.num_hidden_layers, self.dtype)
@@ -179,6 +189,8 @@ class ModelRunner:
         """Logits: one row per request (its last row), or every row with return_all_logits."""
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
             return self.cuda_graph_runner.replay(forward_batch)
+        if self.cpu_graph_runner is not None and self.cpu_graph_runner.can_run(forward_batch):
+            return self.cpu_graph_runner.replay(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 

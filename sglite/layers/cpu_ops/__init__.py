@@ -1,6 +1,7 @@
 """sglite's C++ kernels for the CPU, compiled on first use (``torch.utils.cpp_extension``):
-paged decode attention (``decode_attention.cpp``) and the fused RMSNorm, SiLU-and-mul and
-RoPE (``fused_ops.cpp``).
+paged decode attention (``decode_attention.cpp``), the fused RMSNorm, SiLU-and-mul and
+RoPE (``fused_ops.cpp``), and a Llama-family model's whole decode forward as one call
+(``decode_graph.cpp``, run by ``model_executor/cpu_graph_runner.py``).
 
 SGLang ships its CPU kernels prebuilt (sgl-kernel); sglite compiles its kernels from
 source the first time a CPU engine starts, for this machine's CPU (``-march=native``),
@@ -25,8 +26,8 @@ from types import ModuleType
 import torch
 
 _HERE = Path(__file__).parent
-SOURCES = [_HERE / "bindings.cpp", _HERE / "decode_attention.cpp", _HERE / "fused_ops.cpp"]
-HEADERS = [_HERE / "common.h"]
+SOURCES = [_HERE / "bindings.cpp", _HERE / "decode_attention.cpp", _HERE / "fused_ops.cpp", _HERE / "decode_graph.cpp"]
+HEADERS = [_HERE / "common.h", _HERE / "kernels.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
 LDFLAGS = ["-fopenmp"]
 

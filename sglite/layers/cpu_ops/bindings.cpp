@@ -1,21 +1,29 @@
 // The Python module of sglite's CPU kernels (sglite/layers/cpu_ops/__init__.py).
 #include <torch/extension.h>
 
-void decode_attention(const torch::Tensor& q, const torch::Tensor& k_buf, const torch::Tensor& v_buf,
-                      const torch::Tensor& req_to_token, const torch::Tensor& q_rows,
-                      const torch::Tensor& pool_idx, const torch::Tensor& seq_lens, torch::Tensor& out,
-                      double scale);
-void rmsnorm(const torch::Tensor& x, const torch::Tensor& weight, torch::Tensor& out, double eps);
-void fused_add_rmsnorm(const torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& weight,
-                       torch::Tensor& sum, torch::Tensor& out, double eps);
-void silu_and_mul(const torch::Tensor& x, torch::Tensor& out);
-void rope_neox(const torch::Tensor& positions, const torch::Tensor& x, const torch::Tensor& cos_sin,
-               torch::Tensor& out);
+#include "kernels.h"
+
+namespace py = pybind11;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged decode attention over a float32 KV pool");
-  m.def("rmsnorm", &rmsnorm, "out = RMSNorm(x) * weight");
-  m.def("fused_add_rmsnorm", &fused_add_rmsnorm, "sum = x + residual; out = RMSNorm(sum) * weight");
-  m.def("silu_and_mul", &silu_and_mul, "out = silu(x[:, :d]) * x[:, d:]");
-  m.def("rope_neox", &rope_neox, "out = neox rotary embedding of x at positions");
+  // every call leaves the GIL while it runs, as torch's own ops do: other Python threads
+  // (the scheduler, in the overlap loop) go on meanwhile. Argument errors are raised
+  // after the GIL is back.
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("decode_attention", &decode_attention, "paged decode attention over a float32 KV pool", release());
+  m.def("rmsnorm", &rmsnorm, "out = RMSNorm(x) * weight", release());
+  m.def("fused_add_rmsnorm", &fused_add_rmsnorm, "sum = x + residual; out = RMSNorm(sum) * weight", release());
+  m.def("silu_and_mul", &silu_and_mul, "out = silu(x[:, :d]) * x[:, d:]", release());
+  m.def("rope_neox", &rope_neox, "out = neox rotary embedding of x at positions", release());
+  py::class_<DecodeGraph>(m, "DecodeGraph", "a Llama-family model's decode forward as one call")
+      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double>(),
+           py::arg("embed"), py::arg("final_norm"), py::arg("lm_head"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("rms_norm_eps"), py::arg("scaling"))
+      .def("add_layer", &DecodeGraph::add_layer, py::arg("input_norm"), py::arg("qkv"), py::arg("qkv_bias"),
+           py::arg("o"), py::arg("post_norm"), py::arg("gate_up"), py::arg("down"), py::arg("cos_sin"),
+           py::arg("k_buf"), py::arg("v_buf"))
+      .def("run", &DecodeGraph::run, "logits [bs, vocab] of one decode row per request", py::arg("input_ids"),
+           py::arg("positions"), py::arg("out_cache_loc"), py::arg("req_to_token"), py::arg("req_pool_indices"),
+           py::arg("seq_lens"), release())
+      .def_property_readonly("num_layers", &DecodeGraph::num_layers);
 }

@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include "common.h"
+#include "kernels.h"
 
 #include <algorithm>
 #include <limits>
@@ -128,7 +129,6 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& k_buf, const 
   }
   Problem p{q.data_ptr<float>(), k_buf.data_ptr<float>(), v_buf.data_ptr<float>(), req_to_token.data_ptr<int64_t>(),
             req_to_token.size(1), rows, pidx, lens, out.data_ptr<float>(), n, H, KVH, static_cast<float>(scale)};
-  pybind11::gil_scoped_release no_gil;  // torch's own ops let other Python threads run; so does this
   switch (D) {
     case 64: decode_attention_impl<64>(p, D); break;
     case 128: decode_attention_impl<128>(p, D); break;

@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "common.h"
+#include "kernels.h"
 
 namespace {
 
@@ -41,7 +42,6 @@ void rmsnorm(const torch::Tensor& x, const torch::Tensor& weight, torch::Tensor&
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  pybind11::gil_scoped_release no_gil;
   at::parallel_for(0, n, grain_rows(hidden), [&](int64_t b, int64_t e) {
     rmsnorm_rows(xp + b * hidden, wp, op + b * hidden, e - b, hidden, static_cast<float>(eps));
   });
@@ -63,7 +63,6 @@ void fused_add_rmsnorm(const torch::Tensor& x, const torch::Tensor& residual, co
   const float* wp = weight.data_ptr<float>();
   float* sp = sum.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  pybind11::gil_scoped_release no_gil;
   at::parallel_for(0, n, grain_rows(hidden), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
 #pragma omp simd
@@ -81,7 +80,6 @@ void silu_and_mul(const torch::Tensor& x, torch::Tensor& out) {
   TORCH_CHECK(x.size(-1) == 2 * d && out.numel() == n * d && out.size(-1) == d, "silu_and_mul: shapes do not match");
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  pybind11::gil_scoped_release no_gil;
   at::parallel_for(0, n, grain_rows(2 * d), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const float* __restrict g = xp + i * 2 * d;
@@ -113,7 +111,6 @@ void rope_neox(const torch::Tensor& positions, const torch::Tensor& x, const tor
   const float* cs = cos_sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t st = x.stride(0), sh = x.stride(1);
-  pybind11::gil_scoped_release no_gil;
   at::parallel_for(0, n, grain_rows(heads * dim), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* c = cs + pos[t] * dim;
