@@ -79,14 +79,46 @@ def test_greedy_continuations_match_transformers(hf, engine):
         assert out["output_ids"] == ref, prompt
 
 
-def test_chats_sharing_a_system_prompt_match_transformers(hf, engine, monkeypatch):
-    """Decode rounds where the chats' cached system prompt is attended to once for all
-    of them (torch_native's shared-prefix path) give transformers' greedy tokens."""
+@pytest.fixture(scope="module")
+def chats_sharing_a_system_prompt(hf):
+    """Four chats behind one long system prompt, and transformers' 16 greedy tokens for each."""
     model, tok = hf
     system = " ".join(["You are a careful assistant who answers in one short sentence."] * 12)
     questions = ["What is the capital of Italy?", "Name a primary color.", "What is 2 + 2?", "What color is the sky?"]
     prompts = [tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}],
                                        tokenize=False, add_generation_prompt=True) for q in questions]
+    refs = []
+    for prompt in prompts:
+        ids = tok.encode(prompt, add_special_tokens=False)
+        with torch.no_grad():
+            refs.append(model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                                       pad_token_id=2)[0, len(ids):].tolist())
+    return prompts, refs
+
+
+SHARED_CHAT_PARAMS = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+
+
+def run_chats_after_one(engine: Engine, prompts: list[str]) -> list[dict]:
+    """The first chat alone (its system prompt enters the radix cache), then all four."""
+    engine.generate(prompts[0], sampling_params={"max_new_tokens": 1})
+    return engine.generate(prompts, sampling_params=SHARED_CHAT_PARAMS)
+
+
+def test_chats_sharing_a_system_prompt_match_transformers(chats_sharing_a_system_prompt, engine):
+    """The CPU default (cpu backend, decode rounds as one C++ call) on chats whose system
+    prompt is cached once: transformers' greedy tokens, and the prompt hit in the cache."""
+    prompts, refs = chats_sharing_a_system_prompt
+    outs = run_chats_after_one(engine, prompts)
+    assert [o["output_ids"] for o in outs] == refs
+    assert min(o["meta_info"]["cached_tokens"] for o in outs) > 100
+
+
+def test_chats_sharing_a_system_prompt_torch_native_grouped(chats_sharing_a_system_prompt, monkeypatch):
+    """torch_native's shared-prefix path (the cached system prompt attended to once for
+    all the chats' decode rows) gives transformers' greedy tokens."""
+    prompts, refs = chats_sharing_a_system_prompt
+    engine = Engine("smollm2-135m", max_total_tokens=8192, attention_backend="torch_native")
     backend = engine.scheduler.model_runner.attn_backend
     grouped = []
     plan = backend.init_forward_metadata
@@ -96,14 +128,10 @@ def test_chats_sharing_a_system_prompt_match_transformers(hf, engine, monkeypatc
         grouped.append(sum(g.q_rows.numel() for g in backend._groups))
 
     monkeypatch.setattr(backend, "init_forward_metadata", spy)
-    outs = engine.generate(prompts, sampling_params={"max_new_tokens": 16, "temperature": 0, "ignore_eos": True})
+    outs = run_chats_after_one(engine, prompts)
+    engine.shutdown()
     assert max(grouped) == len(prompts)  # every chat's decode row read the prefix together
-    for prompt, out in zip(prompts, outs):
-        ids = tok.encode(prompt, add_special_tokens=False)
-        with torch.no_grad():
-            ref = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                                 pad_token_id=2)[0, len(ids):].tolist()
-        assert out["output_ids"] == ref, prompt
+    assert [o["output_ids"] for o in outs] == refs
 
 
 def test_chat_capital_of_france(engine):
