@@ -64,9 +64,10 @@ ABLATIONS = [
     Ablation("fcfs", "sglite, fcfs policy", {"schedule_policy": "fcfs"}, workloads=("shared-prefix",), default=False),
     Ablation("chunked-off", "sglite, chunked prefill off", {"chunked_prefill_size": -1}, workloads=("long-prompts",)),
     Ablation("mixed-chunk", "sglite, mixed chunk on", {"enable_mixed_chunk": True}, workloads=("long-prompts",)),
-    # the default loop is event_loop_normal on CPU and event_loop_overlap on CUDA: each ablation forces one
-    Ablation("overlap-on", "sglite, overlap loop", {"disable_overlap_schedule": False}, workloads=("shared-prefix",)),
-    Ablation("overlap-off", "sglite, normal loop", {"disable_overlap_schedule": True}, workloads=("shared-prefix",),
+    # the default loop is event_loop_overlap (on a CPU with the CPU graph, and on CUDA;
+    # event_loop_normal on a CPU with torch_native): each ablation forces one
+    Ablation("overlap-off", "sglite, normal loop", {"disable_overlap_schedule": True}, workloads=("shared-prefix",)),
+    Ablation("overlap-on", "sglite, overlap loop", {"disable_overlap_schedule": False}, workloads=("shared-prefix",),
              default=False),
     Ablation("trace-1", "sglite, tracing level 1", {}, 1, workloads=("shared-prefix",), default=False),
     Ablation("trace-2", "sglite, tracing level 2", {}, 2, workloads=("shared-prefix",)),

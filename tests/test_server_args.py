@@ -3,7 +3,6 @@
 import argparse
 
 import pytest
-import torch
 
 from sglite.engine import Engine
 from sglite.server_args import ServerArgs
@@ -15,18 +14,28 @@ def parse(*argv: str) -> ServerArgs:
     return ServerArgs.from_cli_args(parser.parse_args(list(argv)))
 
 
-def test_the_loop_defaults_by_device():
-    """event_loop_overlap on CUDA, event_loop_normal on CPU (where it halves throughput)."""
-    assert ServerArgs(device="cpu").disable_overlap_schedule is True
+def test_the_loop_defaults_by_device_and_backend():
+    """event_loop_overlap on CUDA and on a CPU whose decode forwards run as the CPU graph
+    (one GIL-free call); event_loop_normal on a CPU whose forwards take turns with the
+    scheduler on the GIL (torch_native, triton, --disable-cpu-graph, a non-float32 pool)."""
+    assert ServerArgs(device="cpu").disable_overlap_schedule is False
+    assert ServerArgs(device="cpu", attention_backend="cpu").disable_overlap_schedule is False
     assert ServerArgs(device="cuda").disable_overlap_schedule is False
-    assert ServerArgs().disable_overlap_schedule is (not torch.cuda.is_available())
+    assert ServerArgs().disable_overlap_schedule is False
+    for kw in ({"attention_backend": "torch_native"}, {"attention_backend": "triton"}, {"disable_cpu_graph": True},
+               {"dtype": "bfloat16"}):
+        assert ServerArgs(device="cpu", **kw).disable_overlap_schedule is True, kw
+    assert ServerArgs(device="cuda", attention_backend="torch_native").disable_overlap_schedule is False
     assert ServerArgs(device="cpu", disable_overlap_schedule=False).disable_overlap_schedule is False
     assert ServerArgs(device="cuda", disable_overlap_schedule=True).disable_overlap_schedule is True
 
 
 def test_overlap_flags_on_the_command_line(capsys):
-    assert parse("--device", "cpu").disable_overlap_schedule is True
-    assert parse("--device", "cpu", "--enable-overlap-schedule").disable_overlap_schedule is False
+    assert parse("--device", "cpu").disable_overlap_schedule is False
+    assert parse("--device", "cpu", "--attention-backend", "torch_native").disable_overlap_schedule is True
+    assert parse("--device", "cpu", "--attention-backend", "torch_native",
+                 "--enable-overlap-schedule").disable_overlap_schedule is False
+    assert parse("--device", "cpu", "--disable-overlap-schedule").disable_overlap_schedule is True
     assert parse("--device", "cuda", "--disable-overlap-schedule").disable_overlap_schedule is True
     with pytest.raises(SystemExit):
         parse("--enable-overlap-schedule", "--disable-overlap-schedule")
@@ -34,8 +43,8 @@ def test_overlap_flags_on_the_command_line(capsys):
 
 
 def test_the_engine_runs_the_loop_it_was_given():
-    assert Engine("tiny-random", device="cpu").scheduler.enable_overlap is False
-    engine = Engine("tiny-random", device="cpu", disable_overlap_schedule=False)
+    assert Engine("tiny-random", device="cpu", disable_overlap_schedule=True).scheduler.enable_overlap is False
+    engine = Engine("tiny-random", device="cpu", attention_backend="torch_native", disable_overlap_schedule=False)
     assert engine.scheduler.enable_overlap is True
     out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3, "temperature": 0})
     assert len(out["output_ids"]) == 3

@@ -25,14 +25,14 @@ def run(n: Narrator) -> None:
           get_next_batch_to_run, (3) run_batch and process_batch_result, (4) when there was no batch,
           self_check_during_idle, (5) last_batch = batch. The seed adds two prints to the loop;
           sglite gets the same numbers from its event stream. SGLang runs event_loop_overlap
-          by default, and so does sglite on CUDA (on CPU its default is the normal loop); this
+          by default, and so does sglite (on a CPU, when decode runs as the CPU graph); this
           walkthrough and the others that follow the seeds run the normal loop
           (disable_overlap_schedule=True), and `sglite walkthrough overlap` compares
           the two.""",
           """Scheduler.step() 就是 event_loop_normal 的一轮：(1) 收请求，(2) get_next_batch_to_run，
           (3) run_batch 并 process_batch_result，(4) 没有 batch 时 self_check_during_idle，(5) last_batch = batch。
           种子文章在循环里加了两行 print；sglite 从事件流里得到同样的数字。SGLang 默认运行
-          event_loop_overlap，sglite 在 CUDA 上也是（在 CPU 上默认是 normal 循环）；本篇以及其他照着种子文章走的演练都
+          event_loop_overlap，sglite 也是（在 CPU 上需 decode 以 CPU graph 运行）；本篇以及其他照着种子文章走的演练都
           运行 normal 循环（disable_overlap_schedule=True），
           两者的对比见 `sglite walkthrough overlap`。""")
     n.diagram("event-loop", LOOP_DOT)
