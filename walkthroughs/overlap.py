@@ -44,13 +44,13 @@ def run(n: Narrator) -> None:
 
     n.title("The overlap loop: plan round N+1 while round N runs", "Overlap 循环：第 N 轮在跑时规划第 N+1 轮")
     n.say("""In event_loop_normal the scheduler waits for every forward: plan, run, process, then plan
-          again. event_loop_overlap (SGLang's default, and sglite's on CUDA) hands the forward to a worker and
+          again. event_loop_overlap (SGLang's default, and sglite's: on CUDA, and on a CPU whose decode runs as the CPU graph) hands the forward to a worker and
           goes on: run_batch returns at once, the next round is planned while this one runs, and a
           round's results are processed one iteration later. The next round's decode inputs do not
           exist yet, so the scheduler writes placeholders, -index into a future map, and the worker
           swaps in the real tokens just before the forward.""",
           """在 event_loop_normal 里调度器等每一次前向：规划、运行、处理，然后再规划。event_loop_overlap（SGLang 的默认，
-          sglite 在 CUDA 上的默认）把前向交给 worker 就继续：run_batch 立即返回，本轮在跑时下一轮已在规划，一轮的结果在下一轮迭代里
+          sglite 在 CUDA 上、以及 decode 以 CPU graph 运行的 CPU 上的默认）把前向交给 worker 就继续：run_batch 立即返回，本轮在跑时下一轮已在规划，一轮的结果在下一轮迭代里
           才处理。下一轮 Decode 的输入这时还不存在，所以调度器写入占位符（future map 的 -index），worker 在前向之前才换成真实
           Token。""")
     n.diagram("overlap-pipeline", PIPELINE_DOT)
