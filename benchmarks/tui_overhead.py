@@ -3,7 +3,7 @@ screen updates per second. Goals: ratio >= 0.9, >= 10 screen updates/s.
 
 "Engine alone" steps the workload in a process of its own with nothing subscribed and
 torch's default threads. "Engine + TUI" is what `sglite tui` runs: the engine in its own
-process with a core left to the screen (`tui.host.engine_threads`), shipping every
+process with `tui.host.engine_threads` torch threads, shipping every
 iteration's events (with scheduler snapshots) to the screen, which folds them into
 views and draws the newest at most every `tui.app.UI_INTERVAL` seconds. A third row runs
 the engine alone with the TUI's thread count, which splits the ratio into what the core

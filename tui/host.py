@@ -231,16 +231,15 @@ class _ToScreen(logging.Handler):
 
 def engine_threads() -> int:
     """Torch intra-op threads for an engine that shares the machine with the screen: all
-    cores but one, so the screen draws on a core of its own. With torch's threads on every
-    core, each frame stalls the forward at its next OpenMP barrier (on 2 cores the engine
-    ran at 0.6x of its speed alone; with a core left to the screen, 0.8-0.9x, most of it
-    the core: see benchmarks/tui_overhead.py). OMP_NUM_THREADS, when set, wins."""
+    of torch's, as the engine alone has. Before decode forwards ran as the CPU graph, a
+    core was left to the screen (each frame stalled a forward on every core at its next
+    OpenMP barrier: 0.6x on 2 cores). With the CPU graph and the overlap loop, the engine
+    makes far more of a second core than the screen costs: on smollm2, pool-pressure, 2
+    cores, engine + TUI with 2 threads ran at 0.90x of the engine alone, with 1 thread at
+    0.64x (benchmarks/results/tui-overhead-2026-12-04.md). OMP_NUM_THREADS, when set, wins."""
     import torch
 
-    if "OMP_NUM_THREADS" in os.environ:
-        return torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(torch.get_num_threads(), cores - 1))
+    return torch.get_num_threads()
 
 
 def _process_main(engine_kwargs: dict[str, Any], workload: str | Workload, paused: bool, viewer_args: Any,
