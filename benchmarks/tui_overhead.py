@@ -5,7 +5,9 @@ screen updates per second. Goals: ratio >= 0.9, >= 10 screen updates/s.
 torch's default threads. "Engine + TUI" is what `sglite tui` runs: the engine in its own
 process with `tui.host.engine_threads` torch threads, shipping every
 iteration's events (with scheduler snapshots) to the screen, which folds them into
-views and draws the newest at most every `tui.app.UI_INTERVAL` seconds. A third row runs
+views and draws the newest at most every `tui.app.UI_INTERVAL` seconds; the screen
+(a fresh process each run) lowers its CPU priority once the engine has started
+(`tui.host.yield_cpu_to_engine`). A third row runs
 the engine alone with the TUI's thread count, which splits the ratio into what the core
 left to the screen costs and what the screen itself costs. All are timed from the start
 of the first iteration to the end of the last. They alternate `--repeats` times and the
@@ -27,9 +29,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import queue
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sglite import events as ev  # noqa: E402
 from sglite.engine import Engine  # noqa: E402
 from tui.app import LiveFeed, SchedulerApp  # noqa: E402
-from tui.host import engine_threads, serve_in_process  # noqa: E402
+from tui.host import engine_threads, serve_in_process, yield_cpu_to_engine  # noqa: E402
 from tui.workloads import BUILTIN, Workload, builtin  # noqa: E402
 
 WATCH_INTERVAL = 0.1  # seconds between looks at whether every request finished
@@ -105,6 +109,7 @@ def _without_tui(model: str, workload: Workload) -> Run:
 def with_tui(model: str, workload: Workload) -> Run:
     conn = serve_in_process(engine_kwargs(model, workload), workload, paused=True)
     feed = LiveFeed(conn, conn.wait_ready())
+    yield_cpu_to_engine(conn)  # as sglite tui does: this process's priority stays lowered
     app = SchedulerApp(feed, title="benchmark", paused=True)
     n_reqs = len(workload.arrivals)
     iterations: list[ev.IterationFinished] = []
@@ -154,6 +159,35 @@ def with_tui(model: str, workload: Workload) -> Run:
                1000 * (c1 - c0) / max(frames, 1))
 
 
+def _child(fn, args: tuple, out) -> None:  # noqa: ANN001
+    try:
+        out.put(("ok", fn(*args)))
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        out.put(("error", traceback.format_exc()))
+
+
+def in_own_process(fn, *args):  # noqa: ANN001, ANN201
+    """``fn(*args)`` in a new process (one that may start processes of its own, which a
+    Pool's worker may not)."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(fn, args, out))
+    proc.start()
+    try:
+        while True:
+            try:
+                kind, value = out.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not proc.is_alive():
+                    raise RuntimeError(f"the benchmark's process exited (code {proc.exitcode})") from None
+    finally:
+        proc.join(timeout=30)
+    if kind == "error":
+        raise RuntimeError(value)
+    return value
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -175,7 +209,7 @@ def main() -> int:
             for side in sides if i % 2 == 0 else sides[::-1]:
                 print(f"[{i + 1}/{args.repeats}] {side} ...", file=sys.stderr, flush=True)
                 if side == "tui":
-                    runs[side].append(with_tui(args.model, workload))
+                    runs[side].append(in_own_process(with_tui, args.model, workload))
                 else:
                     n = threads["alone"] if side == "alone" else threads["tui"]
                     runs[side].append(pool.apply(without_tui, (args.model, workload, n)))

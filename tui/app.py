@@ -17,7 +17,10 @@ from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.message import Message
-from textual.widgets import Footer, Input, RichLog, Sparkline, Static
+from textual.geometry import Region, Size
+from textual.strip import Strip
+from textual.widget import Widget
+from textual.widgets import Footer, Input, RichLog, Static
 
 from sglite.server_args import SCHEDULE_POLICIES
 from tui.state import LOG_KEEP, ReqInfo, View, ViewBuilder
@@ -63,15 +66,114 @@ class LiveFeed:
         return new
 
 
-class RowTable(Static):
-    """A table of rows (a queue, this round's plan) drawn as one block of text.
+class TextLines(Widget):
+    """Lines of Rich Text, repainted line by line: a change redraws only the lines that
+    differ. A Static re-renders its whole text, and the styles pass every line of its
+    box, on any change; the queues, the plan and the pool change a few lines an
+    iteration (and their blank lines never), and redrawing whole panels was most of what
+    a frame cost. Lines wider than the panel end in an ellipsis."""
+
+    DEFAULT_CSS = "TextLines { height: auto; }"
+
+    def __init__(self, id: str | None = None) -> None:  # noqa: A002
+        super().__init__(id=id)
+        self.lines: list[Text] = []
+        self._strips: dict[int, Strip] = {}  # line -> what it drew, for _strips_made_for
+        self._strips_made_for: tuple | None = None  # (width, base style)
+        self._pass: tuple | None = None
+
+    @property
+    def plain(self) -> str:
+        return "\n".join(t.plain for t in self.lines)
+
+    def set_lines(self, lines: list[Text]) -> None:
+        old, self.lines = self.lines, lines
+        # (Text's == compares the characters and the spans, not the line's own style)
+        dirty = [y for y in range(max(len(old), len(lines)))
+                 if y >= len(old) or y >= len(lines) or old[y] != lines[y] or old[y].style != lines[y].style]
+        if not dirty:
+            return
+        for y in dirty:
+            self._strips.pop(y, None)
+        if len(lines) != len(old) and self.styles.height is not None and self.styles.height.is_auto:
+            self.refresh(layout=True)  # an auto-height panel changes size
+            return
+        width = max(self.size.width, 1)
+        runs: list[list[int]] = []
+        for y in dirty:
+            if runs and runs[-1][1] == y:
+                runs[-1][1] = y + 1
+            else:
+                runs.append([y, y + 1])
+        self.refresh(*(Region(0, a, width, b - a) for a, b in runs))
+
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        return len(self.lines)
+
+    def render_lines(self, crop: Region) -> list[Strip]:
+        # the width and the base style once a pass (each costs a walk of the DOM), not a line
+        self._pass = None
+        return super().render_lines(crop)
+
+    def render_line(self, y: int) -> Strip:
+        if self._pass is None:
+            self._pass = (self.size.width, self.rich_style)
+            if self._pass != self._strips_made_for:  # a new size or style: every line anew
+                self._strips.clear()
+                self._strips_made_for = self._pass
+        strip = self._strips.get(y)
+        if strip is None:
+            width, base = self._pass
+            if y >= len(self.lines):
+                strip = Strip.blank(width, base)
+            else:
+                text = self.lines[y]
+                if text.cell_len > width:
+                    text = text.copy()
+                    text.truncate(width, overflow="ellipsis")
+                console = self.app.console  # (Text.render leaves the line's own style out)
+                style = base + console.get_style(text.style) if text.style else base
+                strip = Strip(list(text.render(console))).apply_style(style)
+            self._strips[y] = strip
+        return strip
+
+
+class TextSparkline(TextLines):
+    """A one-line bar chart of the last values that fit, newest on the right. (Textual's
+    Sparkline blends a colour for every cell and re-rendered both charts every frame:
+    a tenth of what a frame cost.)"""
+
+    BARS = " ▁▂▃▄▅▆▇█"
+    DEFAULT_CSS = "TextSparkline { height: 1; width: 1fr; color: $success; }"
+
+    def __init__(self, id: str | None = None) -> None:  # noqa: A002
+        super().__init__(id=id)
+        self._data: tuple[list[float], float | None] = ([], None)
+
+    def show(self, data: list[float], top: float | None = None) -> None:
+        """``top``: the value of a full bar (default: the largest shown)."""
+        self._data = (data, top)
+        width = max(self.size.width, 1)
+        shown = data[-width:]
+        peak = top if top is not None else max(shown, default=0.0)
+        levels = len(self.BARS) - 1
+        bars = "".join(self.BARS[max(1, min(levels, round(levels * v / peak)))] if peak > 0 else self.BARS[1]
+                       for v in shown)
+        self.set_lines([Text(bars.rjust(width))])
+
+    def on_resize(self) -> None:
+        self.show(*self._data)
+
+
+class RowTable(TextLines):
+    """A table of rows (a queue, this round's plan), one line a row.
 
     Every running request's seq_len changes every iteration, so a live table changes
     nearly every row every frame; Textual's DataTable renders and caches cell by cell,
-    which made the three tables half of what a frame cost. Here a change is one Rich
-    Text for the whole panel. Columns widen for a wider value and never narrow (no
-    jitter); rows that do not fit end in a "+N more" line; the selected request's row is
-    reversed; a click on a row selects that request.
+    which made the three tables half of what a frame cost. Here a row is one line of
+    text, and only the rows that changed are repainted. Columns widen for a wider value
+    and never narrow (no jitter); rows that do not fit end in a "+N more" line; the
+    selected request's row is reversed; a click on a row selects that request.
     """
 
     class Clicked(Message):
@@ -87,6 +189,28 @@ class RowTable(Static):
         self._widths = [len(c) for c in columns]
         self._shown = 0
         self._key: Any = None
+        self._titles: tuple[str, str] | None = None
+        self._borders_only = False
+
+    def set_border_titles(self, title: str, subtitle: str) -> None:
+        """Set the border's title and sub-title, repainting only the border's two lines
+        (a title set repaints the whole panel, and this round's title changes every
+        iteration)."""
+        if (title, subtitle) == self._titles:
+            return
+        self._titles = (title, subtitle)
+        self._borders_only = True
+        try:
+            self.border_title, self.border_subtitle = title, subtitle
+        finally:
+            self._borders_only = False
+
+    def refresh(self, *regions: Region, **kwargs: Any) -> Any:
+        if self._borders_only and not regions and not kwargs and self.is_mounted:
+            # regions are relative to the content: the border lines lie outside it
+            off, outer = self.content_offset, self.outer_size
+            regions = (Region(-off.x, -off.y, outer.width, 1), Region(-off.x, outer.height - 1 - off.y, outer.width, 1))
+        return super().refresh(*regions, **kwargs)
 
     def show(self, rows: list[tuple], selected: str | None = None) -> None:
         rows = [tuple(str(c) for c in r) for r in rows]
@@ -104,13 +228,11 @@ class RowTable(Static):
         def line(cells: tuple[str, ...]) -> str:  # rid left, numbers right
             return " ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(cells, self._widths)))
 
-        text = Text(line(self.columns), style="bold", no_wrap=True, overflow="ellipsis")
-        for r in shown:
-            text.append("\n")
-            text.append(line(r), style="reverse" if r[0] == selected else "")
+        lines = [Text(line(self.columns), style="bold")]
+        lines += [Text(line(r), style="reverse" if r[0] == selected else "") for r in shown]
         if len(shown) < len(rows):
-            text.append(f"\n+{len(rows) - len(shown)} more", style="dim")
-        self.update(text, layout=False)  # the panel's size comes from the grid, not from its text
+            lines.append(Text(f"+{len(rows) - len(shown)} more", style="dim"))
+        self.set_lines(lines)
 
     def on_resize(self) -> None:
         if self._key is not None:
@@ -230,10 +352,8 @@ class SchedulerApp(App):
     RowTable, #treebox, RichLog, #poolbox { border: round $accent; height: 1fr; }
     #tree { width: auto; }
     RowTable { padding: 0 1; }
-    #pool { height: auto; text-wrap: nowrap; text-overflow: ellipsis; }
     .spark { height: 1; }
     .spark Static { width: 7; }
-    Sparkline { width: 1fr; height: 1; }
     #prompt { dock: bottom; display: none; }
     """
     BINDINGS = [
@@ -267,7 +387,6 @@ class SchedulerApp(App):
         self.updates = 0
         self._log_shown = 0
         self._tree_key: Any = None
-        self._pool_lines = -1  # lines the pool panel showed last
         self._input_mode = "prompt"
         self._ticks = 0
         self._slow_drawn = 0.0  # when the tree and the log were last drawn (monotonic)
@@ -296,13 +415,13 @@ class SchedulerApp(App):
             yield RowTable(("rid", "seq", "out/max"), id="running")
             yield RowTable(("rid", "pre", "ext", "seq", "loc"), id="plan")
             with Vertical(id="poolbox"):
-                yield Static(id="pool")
+                yield TextLines(id="pool")
                 with Horizontal(classes="spark"):
                     yield Static("hit")
-                    yield Sparkline([], id="hit")
+                    yield TextSparkline(id="hit")
                 with Horizontal(classes="spark"):
                     yield Static("tok/s")
-                    yield Sparkline([], id="tput")
+                    yield TextSparkline(id="tput")
             with VerticalScroll(id="treebox", can_focus=False):  # space and home/end are the app's keys
                 yield RadixTreeView(id="tree")
             yield RichLog(id="log", markup=True, wrap=False, max_lines=500)
@@ -350,17 +469,17 @@ class SchedulerApp(App):
         plan = self.query_one("#plan", RowTable)
         wide = plan.size.width >= 40
         if not v.bid:
-            plan.border_title = "this round: idle"
+            title = "this round: idle"
         else:
-            plan.border_title = (f"this round #{v.bid}: {v.forward_mode}, {v.plan_rows} rows" if wide
-                                 else f"#{v.bid} {v.forward_mode} {v.plan_rows} rows")
+            title = (f"this round #{v.bid}: {v.forward_mode}, {v.plan_rows} rows" if wide
+                     else f"#{v.bid} {v.forward_mode} {v.plan_rows} rows")
         # the overlap loop: which batch runs now, whose results this iteration processed
         flight = []
         if v.overlap and v.bid:
             flight.append(f"#{v.bid} in flight" if wide else f"#{v.bid} running")
         if v.overlap and v.processed_bid:
             flight.append(f"#{v.processed_bid} processed" if wide else f"#{v.processed_bid} done")
-        plan.border_subtitle = ", ".join(flight)
+        plan.set_border_titles(title, ", ".join(flight))
         self._render_pool(v)
         if self.replay or self.paused or monotonic() - self._slow_drawn >= SLOW_PANELS_INTERVAL:
             self._render_slow_panels(v)
@@ -379,30 +498,26 @@ class SchedulerApp(App):
         self.query_one("#titlebar", TitleBar).show(self.title, text)
 
     def _render_pool(self, v: View) -> None:
-        pool = self.query_one("#pool", Static)
+        pool = self.query_one("#pool", TextLines)
         if not v.has_snapshots:
-            pool.update("this recording has no scheduler snapshots:\nrecord with --record to see the queues,"
-                        " the pool and the tree")
-            self._pool_lines = -1
+            pool.set_lines([Text("this recording has no scheduler snapshots:"),
+                            Text("record with --record to see the queues, the pool and the tree")])
             return
         used = v.pool_total - v.pool_free - v.pool_evictable
         width = max(10, min(40, pool.size.width - 1))
         bar_used = round(width * used / max(v.pool_total, 1))
         bar_cache = round(width * v.pool_evictable / max(v.pool_total, 1))
-        bar = "[red]" + "█" * bar_used + "[/][yellow]" + "▒" * bar_cache + "[/]" + "·" * (width - bar_used - bar_cache)
+        bar = Text.assemble(("█" * bar_used, "red"), ("▒" * bar_cache, "yellow"), "·" * (width - bar_used - bar_cache))
         title = f"KV pool: {v.pool_total} tokens"
         box = self.query_one("#poolbox")
         if box.border_title != title:  # setting it repaints the whole panel
             box.border_title = title
-        text = (f"{bar}\nused {used} free {v.pool_free}\ncached {v.pool_evictable} usage {v.token_usage:.2f}\n"
-                f"hit {v.cache_hit_rate:.2f} retracted {v.retractions}\nratio {v.new_token_ratio:.3f} {v.policy}\n"
-                f"stop {v.admission_stop or '-'}\n{v.throughput:.1f} tok/s done {v.finished}")
-        # the same number of lines (no wrapping): the panel keeps its size, so no layout pass
-        lines = text.count("\n")
-        pool.update(text, layout=lines != self._pool_lines)
-        self._pool_lines = lines
-        self.query_one("#hit", Sparkline).data = v.hit_rate_history or [0.0]
-        self.query_one("#tput", Sparkline).data = v.throughput_history or [0.0]
+        pool.set_lines([bar] + [Text(line) for line in (
+            f"used {used} free {v.pool_free}", f"cached {v.pool_evictable} usage {v.token_usage:.2f}",
+            f"hit {v.cache_hit_rate:.2f} retracted {v.retractions}", f"ratio {v.new_token_ratio:.3f} {v.policy}",
+            f"stop {v.admission_stop or '-'}", f"{v.throughput:.1f} tok/s done {v.finished}")])
+        self.query_one("#hit", TextSparkline).show(v.hit_rate_history, top=1.0)
+        self.query_one("#tput", TextSparkline).show(v.throughput_history)
 
     def _render_slow_panels(self, v: View) -> None:
         self._render_tree(v)

@@ -26,7 +26,7 @@ def _run(args: argparse.Namespace) -> int:
         return _replay(args.replay)
     from sglite.server_args import ServerArgs
     from tui.app import LiveFeed, SchedulerApp
-    from tui.host import serve_in_process
+    from tui.host import serve_in_process, yield_cpu_to_engine
     from tui.workloads import load
 
     try:
@@ -49,6 +49,7 @@ def _run(args: argparse.Namespace) -> int:
         connection.close()
         print(f"error: {e}", file=sys.stderr)
         return 1
+    yield_cpu_to_engine(connection)
     title = f"{info['model']} · workload {info['workload']}"
     SchedulerApp(LiveFeed(connection, info), title=title, paused=args.paused).run()
     return 0

@@ -36,6 +36,7 @@ from tui.workloads import Arrival, Workload, load
 
 IDLE_POLL = 0.05  # seconds to wait for a command while paused or idle
 SHIP_INTERVAL = 0.05  # seconds between shipments while running: at most 20 screen updates a second
+SCREEN_NICE = 10  # how much the screen lowers its CPU priority below the engine's (see yield_cpu_to_engine)
 
 
 class EngineHost:
@@ -240,6 +241,22 @@ def engine_threads() -> int:
     import torch
 
     return torch.get_num_threads()
+
+
+def yield_cpu_to_engine(connection: HostConnection) -> None:
+    """Lower this process's (the screen's) CPU priority by ``SCREEN_NICE``, so that when
+    the screen and the engine want the same core the engine gets it: on 2 cores the
+    screen's ~11 ms a frame otherwise preempts a torch thread, and every thread of the
+    forward waits for it at the next OpenMP barrier. The screen still gets what it needs
+    (10 updates a second on smollm2 either way; benchmarks/tui_overhead.py measures
+    both). Call it after the engine's process started: a process started later would
+    inherit the lower priority. Where the platform has no nice(2), nothing changes."""
+    if connection.worker is None or not isinstance(connection.worker, multiprocessing.process.BaseProcess):
+        return  # the engine runs in this process (tests): lowering it would lower the engine too
+    try:
+        os.nice(SCREEN_NICE)
+    except (AttributeError, OSError):
+        pass
 
 
 def _process_main(engine_kwargs: dict[str, Any], workload: str | Workload, paused: bool, viewer_args: Any,

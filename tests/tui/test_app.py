@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import queue
 import subprocess
 import sys
@@ -46,7 +47,7 @@ def panel_texts(app) -> dict:
     return {
         **{tid: table_rows(app, tid) for tid in ("waiting", "running", "plan")},
         "plan_title": (app.query_one("#plan").border_title, app.query_one("#plan").border_subtitle),
-        "pool": str(app.query_one("#pool").render()),
+        "pool": app.query_one("#pool").plain,
         "tree": app.query_one("#tree").lines,
         "log": [str(line.text) for line in app.query_one("#log").lines],
     }
@@ -75,13 +76,68 @@ def test_panels_after_the_first_retract():
             assert app.query_one("#plan").border_title.startswith(f"this round #{sched.forward_ct}: "
                                                                  f"{sched.cur_batch.forward_mode.name}")
             assert app.query_one("#plan").border_subtitle == f"#{sched.forward_ct} in flight, #{sched.forward_ct - 1} processed"
-            pool = str(app.query_one("#pool").render())
+            pool = app.query_one("#pool").plain
             assert f"retracted {sched.num_retracted_reqs}" in pool
             assert app.query_one("#poolbox").border_title == f"KV pool: {sched.max_total_num_tokens} tokens"
             log_text = "\n".join(panel_texts(app)["log"])
             assert "retract" in log_text and "new_token_ratio" in log_text
             top = [label for depth, label in app.query_one("#tree").lines if depth == 0]
             assert len(top) == len([n for n in sched.tree_cache.snapshot() if n["parent_id"] == 0])
+
+    asyncio.run(scenario())
+
+
+YIELD_CHECK = """
+import multiprocessing, os, queue
+from tui.host import SCREEN_NICE, HostConnection, yield_cpu_to_engine
+before = os.getpriority(os.PRIO_PROCESS, 0)
+yield_cpu_to_engine(HostConnection(queue.Queue(), queue.Queue(), worker=None))  # an engine in this process
+same = os.getpriority(os.PRIO_PROCESS, 0)
+yield_cpu_to_engine(HostConnection(None, None, worker=multiprocessing.get_context("spawn").Process()))
+print(before, same, os.getpriority(os.PRIO_PROCESS, 0), SCREEN_NICE)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "nice"), reason="no nice(2) here")
+def test_the_screen_yields_the_cpu_only_to_an_engine_in_another_process():
+    """(In a process of its own: the priority, once lowered, stays lowered.)"""
+    out = subprocess.run([sys.executable, "-c", YIELD_CHECK], capture_output=True, text=True, check=True).stdout
+    before, same, after, nice = map(int, out.split())
+    assert same == before
+    assert after == min(before + nice, 19)
+
+
+def test_frames_drawn_line_by_line_equal_a_full_repaint():
+    """The panels repaint only the lines that changed, and the plan only its border when
+    its title changes: after many such frames the screen must be what a repaint from
+    scratch (a resize away and back) draws."""
+    async def scenario():
+        engine = make_engine(disable_overlap_schedule=False)
+        host, conn = by_hand(engine)
+        app = SchedulerApp(LiveFeed(conn, {}), title="test", paused=True)
+
+        async def same_after_a_full_repaint() -> None:
+            framed = app.export_screenshot(simplify=True)
+            assert f"#{engine.scheduler.forward_ct}" in framed
+            await pilot.resize_terminal(90, 30)
+            await pilot.pause()
+            await pilot.resize_terminal(120, 40)
+            await pilot.pause()
+            assert app.export_screenshot(simplify=True) == framed
+
+        async with app.run_test(size=(120, 40)) as pilot:
+            for i in range(80):
+                host.step()
+                app._tick()
+                await pilot.pause()
+                if i == 20:
+                    assert app.query_one("#running").rows
+                    await pilot.press("s")  # a selection changes only a row's style
+                    await pilot.pause()
+                    assert app.selected == app.query_one("#running").rows[0][0]
+                    await same_after_a_full_repaint()
+            assert engine.scheduler.num_retracted_reqs > 0  # the queues grew and shrank on the way
+            await same_after_a_full_repaint()
 
     asyncio.run(scenario())
 
