@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from sglite.layers.attention.cpu_backend import CpuAttnBackend  # noqa: E402
-from sglite.layers.attention.paged_batch import make_paged_case, run_attention  # noqa: E402
+from benchmarks.paged_batch import make_paged_case, run_attention  # noqa: E402
 from sglite.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M

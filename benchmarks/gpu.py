@@ -25,7 +25,6 @@ torch and are tested on CPU (tests/benchmarks/test_gpu.py).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import platform
 import sys
@@ -341,7 +340,7 @@ def check_kernels(report: Report, device: str = "cuda") -> None:
     import torch
 
     from sglite.layers.activation import SiluAndMul
-    from sglite.layers.attention.paged_batch import make_paged_case, run_attention
+    from benchmarks.paged_batch import make_paged_case, run_attention
     from sglite.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglite.layers.attention.triton_backend import TritonAttnBackend
     from sglite.layers.attention.triton_ops.kv_store import store_kv_cache
@@ -420,7 +419,7 @@ def measure_decode_attention(report: Report, context: int, batch_sizes: tuple[in
                              device: str = "cuda", timer: Callable[[Callable[[], Any]], float] = cuda_time_us) -> None:
     import torch
 
-    from sglite.layers.attention.paged_batch import make_paged_case
+    from benchmarks.paged_batch import make_paged_case
     from sglite.layers.attention.triton_ops.decode_attention import decode_attention_fwd, num_kv_splits_for
 
     h, kvh, d = 32, 8, 64
@@ -481,24 +480,12 @@ def random_llama_weights(config: Any, seed: int = 0, device: str = "cuda") -> di
     return w
 
 
-@dataclass
-class _DecodeBatch:
-    """The fields ForwardBatch.init_new reads from a ScheduleBatch."""
-
-    forward_mode: Any
-    input_ids: Any
-    req_pool_indices: list[int]
-    seq_lens: list[int]
-    out_cache_loc: Any
-    prefix_lens: list[int] = dataclasses.field(default_factory=list)
-    extend_lens: list[int] = dataclasses.field(default_factory=list)
-
-
 def time_decode_steps(runner: Any, bs: int, context: int, steps: int, warmup: int = 3) -> float:
     """ms per decode step of ``bs`` requests that each have ``context`` tokens cached
     (their KV slots hold whatever the pool holds: the values do not change the time)."""
     import torch
 
+    from sglite.managers.schedule_batch import ModelWorkerBatch
     from sglite.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
     device = runner.device
@@ -514,7 +501,8 @@ def time_decode_steps(runner: Any, bs: int, context: int, steps: int, warmup: in
     def step(i: int) -> None:
         nonlocal input_ids
         seq = context + i + 1
-        batch = _DecodeBatch(ForwardMode.DECODE, input_ids, rows, [seq] * bs, slots[:, seq - 1].contiguous())
+        # input_ids stay a device tensor (ForwardBatch.init_new takes it as it is)
+        batch = ModelWorkerBatch(0, i, ForwardMode.DECODE, input_ids, rows, [seq] * bs, slots[:, seq - 1].contiguous())
         fb = ForwardBatch.init_new(batch, runner)
         input_ids = runner.forward(fb).argmax(-1)
 

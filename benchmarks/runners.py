@@ -156,7 +156,7 @@ def run_sglite(spec: dict[str, Any], say: Say) -> dict[str, Any]:
         "prefill_computed": obs.prefill_computed,
         "cache_hit_tokens": obs.cache_hit_tokens,
         "details": {"retracted": obs.retracted, "kv_pool_tokens": engine.scheduler.max_total_num_tokens,
-                    "attention_backend": engine.scheduler.model_runner.attn_backend.name},
+                    "attention_backend": engine.scheduler.tp_worker.model_runner.attn_backend.name},
     }
 
 

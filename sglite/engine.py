@@ -11,15 +11,35 @@ import itertools
 import logging
 import sys
 import threading
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from sglite.events import EventBus
-from sglite.managers.io_struct import AbortReq, BatchStrOut, TokenizedGenerateReqInput
+from sglite.managers.detokenizer_manager import DetokenizerManager
+from sglite.managers.io_struct import AbortReq, BatchStrOut, BatchTokenIDOut, TokenizedGenerateReqInput
 from sglite.managers.scheduler import Scheduler
 from sglite.sampling.sampling_params import SamplingParams
 from sglite.server_args import DEFAULT_MODEL, ServerArgs
 
 Prompt = str | list[str] | None
+
+
+@dataclass
+class ReqState:
+    """What the Engine has collected of one request (SGLang's TokenizerManager keeps a
+    ReqState per rid too)."""
+
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    meta_info: dict[str, Any] = field(default_factory=dict)
+    finished: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """The result as ``generate`` returns it (plus ``error`` for a rejected request)."""
+        out = {"text": self.text, "output_ids": list(self.output_ids), "meta_info": dict(self.meta_info)}
+        if "error" in self.meta_info:
+            out["error"] = self.meta_info["error"]
+        return out
 
 
 class Engine:
@@ -29,8 +49,13 @@ class Engine:
         self.event_bus = event_bus or EventBus()
         self.scheduler = Scheduler(self.server_args, event_bus=self.event_bus)
         self.tokenizer = self.scheduler.tokenizer
+        # in-process here; its own process under `sglite serve`
+        self.detokenizer = DetokenizerManager(self.tokenizer, self.event_bus)
+        self.scheduler.send_to_detokenizer = self._detokenize
+        self._event_loop = self.scheduler.event_loop()
+        self._outputs: list[BatchStrOut] = []  # this iteration's, from the detokenizer
         self._rid_counter = itertools.count()
-        self._results: dict[str, dict[str, Any]] = {}
+        self._results: dict[str, ReqState] = {}
         self._lock = threading.RLock()
         self._froze_gc = False  # freeze_gc was called: shutdown gives the heap back
 
@@ -71,32 +96,36 @@ class Engine:
         """Queue one request for the next iteration; returns its rid."""
         req = self._tokenize(prompt, input_ids, messages, sampling_params, rid, stream)
         with self._lock:
-            self._results[req.rid] = {"text": "", "output_ids": [], "meta_info": {}, "finished": False}
+            self._results[req.rid] = ReqState()
         self.scheduler.send(req)
         return req.rid
 
     def step(self) -> list[BatchStrOut]:
-        """Run exactly one scheduler iteration."""
+        """Run exactly one scheduler iteration; what the requests produced in it."""
         with self._lock:
-            outputs = self.scheduler.step()
+            try:
+                next(self._event_loop)
+            except BaseException:
+                self._event_loop = self.scheduler.event_loop()  # the failed one is closed
+                raise
+            outputs, self._outputs = self._outputs, []
             for out in outputs:
-                res = self._results.setdefault(out.rid, {"text": "", "output_ids": [], "meta_info": {}, "finished": False})
-                res["text"] += out.new_text
-                res["output_ids"] += out.new_token_ids
+                state = self._results.setdefault(out.rid, ReqState())
+                state.text += out.new_text
+                state.output_ids += out.new_token_ids
                 if out.finished:
-                    res["finished"] = True
-                    res["meta_info"] = out.meta_info
+                    state.finished = True
+                    state.meta_info = out.meta_info
             return outputs
 
+    def _detokenize(self, out: BatchTokenIDOut) -> None:
+        self._outputs.append(self.detokenizer.handle_batch_token_id_out(out))
+
     def result(self, rid: str) -> dict[str, Any]:
-        res = self._results[rid]
-        out = {"text": res["text"], "output_ids": list(res["output_ids"]), "meta_info": dict(res["meta_info"])}
-        if "error" in res["meta_info"]:
-            out["error"] = res["meta_info"]["error"]
-        return out
+        return self._results[rid].to_dict()
 
     def is_finished(self, rid: str) -> bool:
-        return self._results[rid]["finished"]
+        return self._results[rid].finished
 
     # --- generate ---------------------------------------------------------------------
 
@@ -180,11 +209,11 @@ class Engine:
 
     def shutdown(self) -> None:
         with self._lock:
-            for rid, res in list(self._results.items()):
-                if not res["finished"]:
+            for rid, state in list(self._results.items()):
+                if not state.finished:
                     self.abort(rid)
             if self.scheduler.has_work():
-                self.scheduler.step()
+                self.step()
             self.scheduler.shutdown()
         if self._froze_gc:
             self._froze_gc = False

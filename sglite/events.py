@@ -11,7 +11,7 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator, NamedTuple
 
 Subscriber = Callable[["Event"], None]
 EVENT_TYPES: dict[str, type["Event"]] = {}
@@ -264,24 +264,59 @@ class CacheEvicted(Event):
     num_nodes: int = 0
 
 
+class WaitingRow(NamedTuple):
+    """A request in the waiting_queue, in queue order."""
+
+    rid: str
+    prompt_tokens: int
+    prefix_len: int  # cached prefix matched at the last admission attempt
+
+
+class RunningRow(NamedTuple):
+    """A request past admission and not finished."""
+
+    rid: str
+    seq_len: int
+    output_tokens: int
+    max_new_tokens: int
+
+
+class TreeNodeRow(NamedTuple):
+    """One radix-tree node (RadixCache.snapshot)."""
+
+    id: int
+    parent_id: int  # -1 for the root
+    key_len: int
+    key_head: tuple[int, ...]  # its first tokens
+    lock_ref: int
+    access_seq: int  # order of last access (for LRU)
+    hit_count: int
+
+
 @dataclass(frozen=True)
 class SchedulerSnapshot(Event):
     """What the scheduler holds after an iteration, for viewers that show state rather
     than changes (the TUI, a recording to replay). Emitted just before
     IterationFinished, only when a subscriber asked for it."""
 
-    waiting: tuple[tuple[str, int, int], ...] = ()  # (rid, prompt tokens, cached prefix matched), queue order
-    running: tuple[tuple[str, int, int, int], ...] = ()  # (rid, seq_len, output tokens, max_new_tokens)
+    waiting: tuple[WaitingRow, ...] = ()
+    running: tuple[RunningRow, ...] = ()
     chunked_rid: str = ""
     pool_total: int = 0
     pool_free: int = 0
     pool_evictable: int = 0
-    # radix tree nodes (id, parent id or -1, key_len, first tokens, lock_ref, access order,
-    # hit_count); None when unchanged since the previous snapshot
-    tree: tuple[tuple[int, int, int, tuple[int, ...], int, int, int], ...] | None = None
+    tree: tuple[TreeNodeRow, ...] | None = None  # None when unchanged since the previous snapshot
     matched_node: int = 0  # where the last prefix match ended (its path is highlighted)
     policy: str = ""
     overlap: bool = False
+
+    def __post_init__(self) -> None:
+        # a recording read back from JSON holds plain tuples: make them rows again
+        set_ = object.__setattr__
+        set_(self, "waiting", tuple(WaitingRow(*r) for r in self.waiting))
+        set_(self, "running", tuple(RunningRow(*r) for r in self.running))
+        if self.tree is not None:
+            set_(self, "tree", tuple(TreeNodeRow(n[0], n[1], n[2], tuple(n[3]), *n[4:]) for n in self.tree))
 
 
 @dataclass(frozen=True)

@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
+from sglite.managers.schedule_batch import ModelWorkerBatch
 from sglite.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 
-@dataclass
-class HandBatch:
-    """The fields ForwardBatch.init_new reads from a ScheduleBatch, filled by hand."""
-
-    forward_mode: ForwardMode
-    input_ids: list[int]
-    req_pool_indices: list[int]
-    seq_lens: list[int]
-    out_cache_loc: torch.Tensor
-    prefix_lens: list[int] = field(default_factory=list)
-    extend_lens: list[int] = field(default_factory=list)
-    sampling_info: object = None
-    return_all_logits: bool = True
+def hand_batch(forward_mode: ForwardMode, input_ids: list[int], req_pool_indices: list[int], seq_lens: list[int],
+               out_cache_loc: torch.Tensor, prefix_lens: list[int] | None = None,
+               extend_lens: list[int] | None = None) -> ModelWorkerBatch:
+    """A ModelWorkerBatch filled by hand, asking for the logits of every row."""
+    return ModelWorkerBatch(0, 0, forward_mode, input_ids, req_pool_indices, seq_lens, out_cache_loc,
+                            prefix_lens or [], extend_lens or [], sum(extend_lens or []), return_all_logits=True)
 
 
 class HandScheduler:
@@ -53,7 +45,7 @@ class HandScheduler:
             pool.write(idx, p, loc[off : off + len(toks)])
             off += len(toks)
             self.tokens[idx] += toks
-        batch = HandBatch(
+        batch = hand_batch(
             forward_mode=mode,
             input_ids=[t for _, toks in seqs for t in toks],
             req_pool_indices=[i for i, _ in seqs],
@@ -71,7 +63,7 @@ class HandScheduler:
         for j, (idx, tok) in enumerate(seqs):
             pool.write(idx, len(self.tokens[idx]), loc[j : j + 1])
             self.tokens[idx].append(tok)
-        batch = HandBatch(
+        batch = hand_batch(
             forward_mode=ForwardMode.DECODE,
             input_ids=[t for _, t in seqs],
             req_pool_indices=[i for i, _ in seqs],

@@ -52,7 +52,7 @@ def engine():
 
 def test_logits_match_transformers(hf, engine):
     model, tok = hf
-    runner = engine.scheduler.model_runner
+    runner = engine.scheduler.tp_worker.model_runner
     hs = HandScheduler(runner)
     for prompt in PROMPTS[:4]:
         ids = engine.tokenizer.encode(prompt)
@@ -119,7 +119,7 @@ def test_chats_sharing_a_system_prompt_torch_native_grouped(chats_sharing_a_syst
     all the chats' decode rows) gives transformers' greedy tokens."""
     prompts, refs = chats_sharing_a_system_prompt
     engine = Engine("smollm2-135m", max_total_tokens=8192, attention_backend="torch_native")
-    backend = engine.scheduler.model_runner.attn_backend
+    backend = engine.scheduler.tp_worker.model_runner.attn_backend
     grouped = []
     plan = backend.init_forward_metadata
 

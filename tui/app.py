@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 from time import monotonic
-from typing import Any
+from typing import Any, Sequence
 
 from rich.text import Text
 from textual.app import App, ComposeResult
@@ -22,6 +22,7 @@ from textual.strip import Strip
 from textual.widget import Widget
 from textual.widgets import Footer, Input, RichLog, Static
 
+from sglite.events import TreeNodeRow
 from sglite.server_args import SCHEDULE_POLICIES
 from tui.state import LOG_KEEP, ReqInfo, View, ViewBuilder
 
@@ -255,25 +256,25 @@ class RadixTreeView(Static):
         self.lines: list[tuple[int, str]] = []
         self._extent = (0, 0)  # (lines, widest line) last shown
 
-    def show(self, tree: list[tuple], matched_path: Any) -> None:
-        children: dict[int, list[tuple]] = {}
+    def show(self, tree: Sequence[TreeNodeRow], matched_path: Any) -> None:
+        children: dict[int, list[TreeNodeRow]] = {}
         root = None
         for node in tree:
-            if node[1] == -1:
-                root = node[0]
+            if node.parent_id == -1:
+                root = node.id
             else:
-                children.setdefault(node[1], []).append(node)
+                children.setdefault(node.parent_id, []).append(node)
         # least recently used first: the order eviction takes unlocked leaves in
-        order = {row[0]: rank for rank, row in enumerate(sorted(tree, key=lambda r: r[5]))}
+        order = {row.id: rank for rank, row in enumerate(sorted(tree, key=lambda r: r.access_seq))}
         text = Text("root", no_wrap=True, overflow="ellipsis")
         self.lines = []
 
         def walk(parent: int, prefix: str) -> None:
             kids = children.get(parent, [])
-            for i, (node_id, _, key_len, head, lock_ref, _, _) in enumerate(kids):
-                last = i == len(kids) - 1
-                lock = f" 🔒{lock_ref}" if lock_ref else ""
-                label = f"{key_len}{lock} lru{order[node_id]} {list(head[:3])}"
+            for i, node in enumerate(kids):
+                node_id, last = node.id, i == len(kids) - 1
+                lock = f" 🔒{node.lock_ref}" if node.lock_ref else ""
+                label = f"{node.key_len}{lock} lru{order[node_id]} {list(node.key_head[:3])}"
                 self.lines.append((len(prefix) // 3, label))
                 text.append("\n" + prefix + ("└─ " if last else "├─ "), style="dim")
                 text.append(label, style="bold reverse" if node_id in matched_path else "")

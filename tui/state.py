@@ -60,7 +60,7 @@ class View:
     new_token_ratio: float = 0.0
     retractions: int = 0
     admission_stop: str = ""
-    tree: tuple = ()  # SchedulerSnapshot.tree rows
+    tree: tuple[ev.TreeNodeRow, ...] = ()  # SchedulerSnapshot.tree rows
     matched_path: frozenset[int] = frozenset()  # node ids from the root to the last match
     policy: str = ""
     throughput: float = 0.0  # output tokens/s over the last iterations
@@ -96,7 +96,7 @@ class ViewBuilder:
         self.admission_stop = ""
         self._last_stop_logged = ""
         self._snapshot: ev.SchedulerSnapshot | None = None
-        self._tree: tuple = ()
+        self._tree: tuple[ev.TreeNodeRow, ...] = ()
         self._plan: ev.BatchPlanned | None = None
         self._tokens = 0  # output tokens emitted this iteration
         self._last_ts: float | None = None
@@ -194,16 +194,16 @@ class ViewBuilder:
             has_snapshots=s is not None,
         )
         if s is not None:
-            view.waiting = [(rid, n, pre, it - self.queued_at.get(rid, it)) for rid, n, pre in s.waiting]
-            view.running = [(rid, seq, f"{out}/{mx}") for rid, seq, out, mx in s.running]
+            view.waiting = [(w.rid, w.prompt_tokens, w.prefix_len, it - self.queued_at.get(w.rid, it)) for w in s.waiting]
+            view.running = [(r.rid, r.seq_len, f"{r.output_tokens}/{r.max_new_tokens}") for r in s.running]
             view.chunked_rid, view.overlap, view.policy = s.chunked_rid, s.overlap, s.policy
             view.pool_total, view.pool_free, view.pool_evictable = s.pool_total, s.pool_free, s.pool_evictable
             view.tree, view.matched_path = self._tree, _path_to(self._tree, s.matched_node)
         return view
 
 
-def _path_to(tree: tuple, node_id: int) -> frozenset[int]:
-    parent = {row[0]: row[1] for row in tree}
+def _path_to(tree: tuple[ev.TreeNodeRow, ...], node_id: int) -> frozenset[int]:
+    parent = {row.id: row.parent_id for row in tree}
     path = set()
     while node_id in parent and node_id not in path:
         path.add(node_id)

@@ -17,7 +17,7 @@ def run(n: Narrator) -> None:
           gets {CHUNK - 1} rows, and the 40-token prompt takes three rounds of 15, 15 and 10 rows. Between rounds the request is Scheduler.chunked_req: its computed part goes into the
           cache (cache_unfinished_req) and the next chunk starts from there. With
           --enable-mixed-chunk, a request that is already decoding joins each chunk's round as a
-          1-token extend, so it is not starved (seed 004 §5.1).""",
+          1-token extend, so it is not starved (docs/seeds.md §B5.1).""",
           f"""chunked_prefill_size={CHUNK} 限制每轮最多 Prefill 的行数（PrefillAdder.rem_chunk_tokens）。
           这里已有一条请求在 Decode，且打开了 mixed chunk，它的 Decode 行先从预算中扣除（mixed_with_decode_tokens）：
           每块只得 {CHUNK - 1} 行，40 个 Token 的 prompt 分三轮：15、15、10 行。两轮之间它是 Scheduler.chunked_req：已算的部分
@@ -62,6 +62,6 @@ WALKTHROUGH = Walkthrough(
     "chunked-prefill",
     "a long prompt cut into chunks interleaved with decode; chunked_req across rounds",
     "长 prompt 分块、与 Decode 交错；跨轮的 chunked_req",
-    "seed 004 §5, §5.1",
+    "docs/seeds.md §B5, §B5.1",
     run,
 )

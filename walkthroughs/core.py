@@ -99,15 +99,15 @@ def radix_tree_dot(tree_cache: Any, title: str, highlight: set[int] | None = Non
     lines = ["digraph radix {", "  rankdir=TB; node [shape=box, fontname=monospace, fontsize=10];",
              f'  labelloc=t; label="{title}";']
     for n in tree_cache.snapshot():
-        if n["parent_id"] is None:
-            lines.append(f'  n{n["id"]} [label="root", shape=circle];')
+        if n.parent_id == -1:
+            lines.append(f'  n{n.id} [label="root", shape=circle];')
             continue
-        head = " ".join(map(str, n["key_head"]))
-        style = ', style=filled, fillcolor="#ffe08a"' if n["id"] in highlight else ""
-        lock = f'\\nlock_ref={n["lock_ref"]}'
-        lines.append(f'  n{n["id"]} [label="[{head}{" …" if n["key_len"] > len(n["key_head"]) else ""}]\\n'
-                     f'{n["key_len"]} tokens{lock}"{style}];')
-        lines.append(f'  n{n["parent_id"]} -> n{n["id"]};')
+        head = " ".join(map(str, n.key_head))
+        style = ', style=filled, fillcolor="#ffe08a"' if n.id in highlight else ""
+        lock = f'\\nlock_ref={n.lock_ref}'
+        lines.append(f'  n{n.id} [label="[{head}{" …" if n.key_len > len(n.key_head) else ""}]\\n'
+                     f'{n.key_len} tokens{lock}"{style}];')
+        lines.append(f'  n{n.parent_id} -> n{n.id};')
     lines.append("}")
     return "\n".join(lines)
 

@@ -1,4 +1,4 @@
-"""Seed 004 §4 and §10: the six things one event_loop_normal iteration does, with the
+"""docs/seeds.md §B4 and §B10: the six things one event_loop_normal iteration does, with the
 seed's per-iteration print."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def run(n: Narrator) -> None:
             "iteration 1: both arrivals are prefilled together", "第 1 轮：两条新请求一起 Prefill")
     n.check(lines[3:5], ["[recv] 1 new reqs; waiting=1 running=2", "[batch] prefill n_reqs=1 n_tokens=5"],
             "iteration 3: the new request's prefill goes first", "第 3 轮：新请求的 Prefill 先跑")
-    n.say("""Iteration 3 shows the rule of seed 004 §5: a new prefill wins over decoding the running
+    n.say("""Iteration 3 shows the rule of docs/seeds.md §B5: a new prefill wins over decoding the running
           requests, which wait one round. Then all three decode together; when everything has
           finished the loop is idle and checks that no KV slot leaked.""",
           """第 3 轮体现了 004 §5 的规则：新的 Prefill 优先，正在 Decode 的请求等一轮；之后三条一起 Decode；
@@ -90,6 +90,6 @@ WALKTHROUGH = Walkthrough(
     "event-loop",
     "the six steps of event_loop_normal, with the seed's per-iteration print",
     "event_loop_normal 的 6 件事，以及种子文章的逐轮 print",
-    "seed 004 §4, §10",
+    "docs/seeds.md §B4, §B10",
     run,
 )

@@ -1,4 +1,4 @@
-"""Seed 004 §13, question 5: the waiting_queue keeps growing — cache misses or too small
+"""docs/seeds.md §B13, question 5: the waiting_queue keeps growing — cache misses or too small
 a token budget? Diagnosed from the event stream alone."""
 
 from __future__ import annotations
@@ -101,6 +101,6 @@ WALKTHROUGH = Walkthrough(
     "growing-queue",
     "a growing waiting_queue: cache misses or too small a token budget? diagnosed from the events",
     "waiting_queue 持续增长：cache miss 还是预算太小？用事件诊断",
-    "seed 004 §13 question 5",
+    "docs/seeds.md §B13 question 5",
     run,
 )

@@ -14,7 +14,7 @@ def run(n: Narrator) -> None:
           running decodes share one forward only with --enable-mixed-chunk: get_new_batch_prefill then
           calls running_batch.prepare_for_decode() and new_batch.mix_with_running(running_batch), which
           appends every running request as a 1-token extend (extend_lens += [1] * bs) and sets
-          ForwardMode.MIXED (seed 000 §4).""",
+          ForwardMode.MIXED (docs/seeds.md §A4).""",
           """Continuous batching 让每轮的请求集合都可以变化，但 Prefill 与正在进行的 Decode 只有在打开
           --enable-mixed-chunk 时才共用一次 forward：此时 get_new_batch_prefill 先调用
           running_batch.prepare_for_decode()，再调用 new_batch.mix_with_running(running_batch)，把每条运行中请求
@@ -56,6 +56,6 @@ WALKTHROUGH = Walkthrough(
     "mixed",
     "a MIXED round: new prefill rows plus the decode tail as 1-token extends",
     "MIXED 轮：新的 Prefill 行加上作为 1-token extend 的 Decode 尾部",
-    "seed 000 §4",
+    "docs/seeds.md §A4",
     run,
 )

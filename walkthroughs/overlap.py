@@ -1,4 +1,4 @@
-"""Seed 004 §6: event_loop_overlap against event_loop_normal on the same workload: the
+"""docs/seeds.md §B6: event_loop_overlap against event_loop_normal on the same workload: the
 future token ids, the one-round lag, the extra round of a finished request, both
 timelines from the traces, and where the scheduler's time went."""
 

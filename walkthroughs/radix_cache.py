@@ -27,7 +27,7 @@ def run(n: Narrator) -> None:
     n.say("""The match stopped inside the node [1 2 3 4 5], so match_prefix split it into [1 2 3] and
           [4 5]: a request can now lock exactly the part it uses.""",
           """匹配停在节点 [1 2 3 4 5] 中间，于是 match_prefix 把它分裂成 [1 2 3] 和 [4 5]：请求可以只锁它用到的那一段。""")
-    n.check(sorted(x["key_len"] for x in tree.snapshot() if x["parent_id"] is not None), [2, 3],
+    n.check(sorted(x.key_len for x in tree.snapshot() if x.parent_id != -1), [2, 3],
             "node sizes after the split", "分裂后的节点大小")
     n.diagram("radix-2-split", radix_tree_dot(tree, "after match [1 2 3 9]: split", {m.last_device_node.id}))
     s2 = alloc.alloc(3)
@@ -79,6 +79,6 @@ WALKTHROUGH = Walkthrough(
     "radix-cache",
     "the radix cache: match, split, insert, lock, LRU eviction; LPM vs FCFS admission order",
     "Radix cache：match、分裂、insert、加锁、LRU 淘汰；LPM 与 FCFS 的接纳顺序",
-    "seed 000 §3; SGLang mem_cache/radix_cache.py",
+    "docs/seeds.md §A3; SGLang mem_cache/radix_cache.py",
     run,
 )

@@ -54,7 +54,7 @@ def run(n: Narrator) -> None:
     n.check(first.new_token_ratio > first.old_new_token_ratio, True, "the ratio goes up", "比例上升")
     n.check(min(e.output_tokens for e in same_round) == first.output_tokens, True,
             "the first retracted has the fewest decoded tokens", "最先退回的请求已解码 Token 最少")
-    n.check(len(retracts), engine.scheduler.num_retracted_reqs, "retract events = the scheduler's #retracted_reqs",
+    n.check(len(retracts), engine.scheduler.observer.num_retracted_reqs, "retract events = the scheduler's #retracted_reqs",
             "retract 事件数 = 调度器统计的 #retracted_reqs")
 
     n.step("Recovery through the cache", "通过缓存恢复")
@@ -82,6 +82,6 @@ WALKTHROUGH = Walkthrough(
     "retract",
     "retract under KV pressure: new_token_ratio before/after, recovery through the cache",
     "KV 压力下的 retract：new_token_ratio 前后变化，经缓存恢复",
-    "seed 000 §4, §6",
+    "docs/seeds.md §A4, §A6",
     run,
 )

@@ -1,4 +1,4 @@
-"""Seed 000 §3-§5: two requests, a cached prefix, 9 prefill rows, 2 decode rows."""
+"""docs/seeds.md §A3-§A5: two requests, a cached prefix, 9 prefill rows, 2 decode rows."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ GREEDY = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
 
 def spy_forwards(engine: Engine) -> list:
     seen = []
-    runner = engine.scheduler.model_runner
+    runner = engine.scheduler.tp_worker.model_runner
     real = runner.forward
 
     def forward(fb):  # noqa: ANN001, ANN202
@@ -101,6 +101,6 @@ WALKTHROUGH = Walkthrough(
     "two-requests",
     "prefix-cache admission, 9 prefill rows, 2 decode rows at position 6",
     "前缀缓存接纳、9 行 Prefill、位置 6 的 2 行 Decode",
-    "seed 000 §3-§5",
+    "docs/seeds.md §A3-§A5",
     run,
 )

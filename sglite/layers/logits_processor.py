@@ -1,6 +1,6 @@
 """LogitsProcessor: hidden states -> logits, only for the rows that are sampled
 (SGLang: layers/logits_processor.py). In an extend batch that is each request's last
-row: seed 000's 9 prefill rows give 2 rows of logits."""
+row: tutorial A's 9 prefill rows (docs/seeds.md §A3) give 2 rows of logits."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Request and output structures between the Engine and the Scheduler
-(SGLang: managers/io_struct.py)."""
+"""The messages between the Engine (SGLang's TokenizerManager), the Scheduler and the
+DetokenizerManager (SGLang: managers/io_struct.py)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglite.sampling.sampling_params import SamplingParams
-
-
-@dataclass
-class GenerateReqInput:
-    """What a user submits: text, chat messages or token ids, plus sampling params."""
-
-    text: str | None = None
-    input_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None
-    sampling_params: dict[str, Any] | None = None
-    rid: str | None = None
-    stream: bool = False
 
 
 @dataclass
@@ -38,8 +26,24 @@ class AbortReq:
 
 
 @dataclass
+class BatchTokenIDOut:
+    """Scheduler -> DetokenizerManager: one request's tokens produced since its last
+    output (SGLang's ``BatchTokenIDOutput`` carries a round's requests in lists; sglite
+    sends one per request), with what the detokenizer needs to turn them into text."""
+
+    rid: str
+    new_token_ids: list[int]
+    finished: bool
+    meta_info: dict[str, Any] = field(default_factory=dict)
+    skip_special_tokens: bool = True
+    stop_strs: tuple[str, ...] = ()  # text that could start one is held back while streaming
+    matched_stop_str: str | None = None  # the request finished on it: cut it from the text
+
+
+@dataclass
 class BatchStrOut:
-    """One request's progress this round (SGLang batches these; one per request here)."""
+    """DetokenizerManager -> Engine: one request's new text and tokens (SGLang's
+    ``BatchStrOutput``, one per request here)."""
 
     rid: str
     new_text: str

@@ -1,6 +1,6 @@
 """Req, ScheduleBatch and finish reasons (SGLang: managers/schedule_batch.py).
 
-Seed 000 §2-§4: a ``Req`` lives for the whole request; a ``ScheduleBatch`` is one
+docs/seeds.md §A2-§A4: a ``Req`` lives for the whole request; a ``ScheduleBatch`` is one
 round's plan. sglite simplification: the per-round arrays (``input_ids``,
 ``seq_lens``, ...) are rebuilt from the requests by ``prepare_for_extend`` /
 ``prepare_for_decode`` instead of being filtered and merged tensor by tensor, so
@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sglite.mem_cache.memory_pool import num_pages
 from sglite.model_executor.forward_batch_info import ForwardMode
 from sglite.sampling.sampling_batch_info import SamplingBatchInfo
 from sglite.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from sglite.mem_cache.base_prefix_cache import BasePrefixCache
+    from sglite.model_loader.tokenizer import Tokenizer
     from sglite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 
 # Retraction keeps room for this many decode steps of the requests that stay.
@@ -86,6 +88,7 @@ class Req:
         eos_token_ids: set[int] | None = None,
         seed: int = 0,
         stream: bool = False,
+        tokenizer: "Tokenizer | None" = None,
     ):
         self.rid = rid
         self.origin_input_text = origin_input_text
@@ -95,6 +98,7 @@ class Req:
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids or set()
         self.stream = stream
+        self.tokenizer = tokenizer  # decodes the output's tail to check stop strings
         self.sampling_generator = torch.Generator().manual_seed(
             sampling_params.seed if sampling_params.seed is not None else seed
         )
@@ -120,12 +124,8 @@ class Req:
         self.cached_tokens = 0
         self.already_computed = 0
 
-        # detokenization (SGLang's DetokenizerManager offsets)
-        self.decoded_text = ""
-        self.surr_offset = 0
-        self.read_offset = 0
-        self.sent_text_len = 0
-        self.sent_ids_len = 0
+        # output_ids[:send_token_offset] went to the DetokenizerManager already
+        self.send_token_offset = 0
 
         # time stamps (time.perf_counter)
         self.created_time = time.perf_counter()
@@ -187,31 +187,63 @@ class Req:
                 return
 
     def check_stop_str(self) -> None:
-        """Called after detokenization: finish on a stop string and trim it."""
-        if self.finished() or not self.sampling_params.stop_strs:
+        """Finish when the output's text now contains a stop string. Only the tail is
+        decoded: an occurrence ending in the newest token starts at most ``max_len - 1``
+        bytes before it, and every token before it gives at least one byte unless it is
+        a special token that decoding skips. The DetokenizerManager trims the stop."""
+        stops = self.sampling_params.stop_strs
+        if self.finished() or not stops or self.tokenizer is None or not self.output_ids:
             return
-        for stop in self.sampling_params.stop_strs:
-            pos = self.decoded_text.find(stop, max(0, self.sent_text_len - len(stop)))
-            if pos != -1:
+        max_len = max(len(stop.encode()) for stop in stops)
+        ids, skip = self.output_ids, self.sampling_params.skip_special_tokens
+        skipped = self.tokenizer.special_ids if skip else frozenset()
+        start, counted = len(ids) - 1, 0
+        while start > 0 and counted < max_len - 1:
+            start -= 1
+            counted += ids[start] not in skipped
+        tail = self.tokenizer.decode(ids[start:], skip_special_tokens=skip)
+        for stop in stops:
+            if stop in tail:
                 self.finished_reason = FINISH_MATCHED_STR(stop)
-                if not self.sampling_params.no_stop_trim:
-                    self.decoded_text = self.decoded_text[:pos]
                 return
 
-    def stream_holdback(self) -> int:
-        """Characters at the end of the text that could start a stop string: they are
-        not streamed until it is clear they are not part of one."""
-        text = self.decoded_text
-        best = 0
-        for stop in self.sampling_params.stop_strs:
-            for k in range(min(len(stop) - 1, len(text)), best, -1):
-                if text.endswith(stop[:k]):
-                    best = k
-                    break
-        return best
+    def meta_info(self) -> dict[str, Any]:
+        """What a finished request reports (SGLang's meta_info keys)."""
+        now = time.perf_counter()
+        return {
+            "id": self.rid,
+            "prompt_tokens": len(self.origin_input_ids),
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": self.finished_reason.to_json() if self.finished_reason else None,
+            "e2e_latency": (self.completion_time or now) - self.created_time,
+            "time_to_first_token": (self.first_token_time - self.created_time) if self.first_token_time else None,
+            "queue_time": ((self.forward_entry_time or now) - self.created_time),
+            "retraction_count": self.retraction_count,
+        }
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid}, input_len={len(self.origin_input_ids)}, output_len={len(self.output_ids)})"
+
+
+@dataclass
+class ModelWorkerBatch:
+    """The scheduler-to-worker snapshot of one round (SGLang's ``ModelWorkerBatch``):
+    plain lists and the KV slots to write; no requests, no pools. The worker turns it
+    into a ForwardBatch of device tensors (ForwardBatch.init_new)."""
+
+    bid: int  # the batch id (Scheduler.forward_ct)
+    iteration: int  # the scheduler iteration that launched it
+    forward_mode: ForwardMode
+    input_ids: list[int]  # one per row; the overlap loop may put future ids (< 0) here
+    req_pool_indices: list[int]
+    seq_lens: list[int]  # lengths after this forward
+    out_cache_loc: torch.Tensor  # [rows] the KV slot each row writes
+    prefix_lens: list[int] = field(default_factory=list)  # extend: tokens already cached
+    extend_lens: list[int] = field(default_factory=list)  # extend: rows per request
+    extend_num_tokens: int = 0
+    sampling_info: SamplingBatchInfo | None = None
+    return_all_logits: bool = False
 
 
 @dataclass
@@ -229,7 +261,6 @@ class ScheduleBatch:
     req_pool_indices: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
     out_cache_loc: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    output_ids: list[int] = field(default_factory=list)
     prefix_lens: list[int] = field(default_factory=list)
     extend_lens: list[int] = field(default_factory=list)
     extend_num_tokens: int = 0
@@ -252,10 +283,6 @@ class ScheduleBatch:
     def is_empty(self) -> bool:
         return not self.reqs
 
-    @property
-    def seq_lens_sum(self) -> int:
-        return sum(self.seq_lens)
-
     # --- memory -----------------------------------------------------------------------
 
     def _evict_for(self, num_tokens: int) -> None:
@@ -265,7 +292,7 @@ class ScheduleBatch:
 
     def alloc_token_slots(self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]) -> torch.Tensor:
         page = self.token_to_kv_pool_allocator.page_size
-        need = sum(-(-s // page) - -(-p // page) for p, s in zip(prefix_lens, seq_lens)) * page
+        need = sum(num_pages(s, page) - num_pages(p, page) for p, s in zip(prefix_lens, seq_lens)) * page
         self._evict_for(need)
         loc = self.token_to_kv_pool_allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
         if loc is None:
@@ -284,7 +311,7 @@ class ScheduleBatch:
     # --- round preparation ------------------------------------------------------------
 
     def prepare_for_extend(self) -> None:
-        """Seed 000 §3: each request computes fill_ids[len(prefix_indices):]."""
+        """docs/seeds.md §A3: each request computes fill_ids[len(prefix_indices):]."""
         self.forward_mode = ForwardMode.EXTEND
         reqs = self.reqs
         slots = self.req_to_token_pool.alloc(len(reqs))
@@ -317,12 +344,11 @@ class ScheduleBatch:
         self.sampling_info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device)
 
     def prepare_for_decode(self) -> None:
-        """Seed 000 §4: one new row per request, the token sampled last round (in the
+        """docs/seeds.md §A4: one new row per request, the token sampled last round (in the
         overlap loop, its future id when that round is still running)."""
         self.forward_mode = ForwardMode.DECODE
         reqs = self.reqs
         self.input_ids = [r.output_ids[-1] if r.future_token_id is None else r.future_token_id for r in reqs]
-        self.output_ids = list(self.input_ids)
         self.seq_lens = [r.seqlen for r in reqs]
         self.req_pool_indices = [r.req_pool_idx for r in reqs]
         self.prefix_lens = [s - 1 for s in self.seq_lens]
@@ -351,6 +377,16 @@ class ScheduleBatch:
         self.extend_lens = self.extend_lens + [1] * running_batch.batch_size()
         self.extend_num_tokens += running_batch.batch_size()
         self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs, self.vocab_size, self.device)
+
+    def get_model_worker_batch(self, bid: int, iteration: int) -> "ModelWorkerBatch":
+        """What the model worker needs of this round. The lists are copied: the overlap
+        loop plans the next round (editing this batch) while the forward is queued."""
+        return ModelWorkerBatch(
+            bid=bid, iteration=iteration, forward_mode=self.forward_mode, input_ids=list(self.input_ids),
+            req_pool_indices=list(self.req_pool_indices), seq_lens=list(self.seq_lens),
+            out_cache_loc=self.out_cache_loc, prefix_lens=list(self.prefix_lens),
+            extend_lens=list(self.extend_lens), extend_num_tokens=self.extend_num_tokens,
+            sampling_info=self.sampling_info, return_all_logits=self.return_all_logits)
 
     def copy(self) -> "ScheduleBatch":
         """What process_batch_result needs of this round, kept apart from the running

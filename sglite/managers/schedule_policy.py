@@ -1,5 +1,5 @@
 """SchedulePolicy (the waiting_queue's order) and PrefillAdder (admission under token
-budgets) (SGLang: managers/schedule_policy.py). Seed 000 §3."""
+budgets) (SGLang: managers/schedule_policy.py). docs/seeds.md §A3."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from sglite.mem_cache.memory_pool import TokenToKVPoolAllocator
+from sglite.mem_cache.memory_pool import TokenToKVPoolAllocator, page_align_down, page_align_up
 from sglite.mem_cache.radix_cache import RadixCache
 
 if TYPE_CHECKING:
@@ -59,8 +59,8 @@ class SchedulePolicy:
             return CacheAgnosticPolicy.FCFS  # nothing to be aware of without a cache
         return p
 
-    def calc_priority(self, waiting_queue: list["Req"]) -> bool:
-        """Reorder waiting_queue in place; True when prefixes were matched here."""
+    def calc_priority(self, waiting_queue: list["Req"]) -> None:
+        """Reorder waiting_queue in place (a cache-aware policy matches every prefix)."""
         policy = self.policy
         if isinstance(policy, CacheAwarePolicy) and len(waiting_queue) > LPM_FALLBACK_QUEUE_LEN:
             policy = CacheAgnosticPolicy.FCFS
@@ -71,12 +71,11 @@ class SchedulePolicy:
                 waiting_queue.sort(key=lambda r: (r.rid in self.temporary_deprioritized, -len(r.prefix_indices)))
             else:
                 self._sort_by_dfs_weight(waiting_queue)
-            return True
+            return
         if policy == CacheAgnosticPolicy.LOF:
             waiting_queue.sort(key=lambda r: -r.sampling_params.max_new_tokens)
         elif policy == CacheAgnosticPolicy.RANDOM:
             self.rng.shuffle(waiting_queue)
-        return False
 
     def _compute_prefix_matches(self, waiting_queue: list["Req"]) -> None:
         self.waiting_queue_radix_tree.reset()
@@ -158,11 +157,7 @@ class PrefillAdder:
         self.log_hit_tokens = 0
         self.log_input_tokens = 0
         if running_batch is not None:
-            self.rem_total_token_offset += sum(
-                min(r.sampling_params.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS_ESTIMATION)
-                * new_token_ratio
-                for r in running_batch.reqs
-            )
+            self.rem_total_token_offset += sum(self._future_tokens(r) * new_token_ratio for r in running_batch.reqs)
 
     @property
     def rem_total_tokens(self) -> float:
@@ -175,7 +170,7 @@ class PrefillAdder:
                 - self.cur_rem_token_offset)
 
     def ceil_paged_tokens(self, n: int) -> int:
-        return -(-n // self.page_size) * self.page_size
+        return page_align_up(n, self.page_size)
 
     def budget_state(self) -> AddReqResult:
         if self.rem_total_tokens <= 0 or self.cur_rem_tokens <= 0:
@@ -203,7 +198,9 @@ class PrefillAdder:
         finally:
             self.tree_cache.dec_lock_ref(node)
 
-    def _future_tokens(self, req: "Req") -> int:
+    @staticmethod
+    def _future_tokens(req: "Req") -> int:
+        """The tokens a request may still generate, clipped: what admission reserves."""
         return min(req.sampling_params.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS_ESTIMATION)
 
     def add_chunked_req(self, req: "Req") -> "Req | None":
@@ -221,7 +218,8 @@ class PrefillAdder:
             # in-batch prefix caching: let the request sharing its prefix fill the cache
             # this round; this one hits it next round
             return AddReqResult.CONTINUE
-        total_tokens = req.extend_input_len + self._future_tokens(req)
+        future_tokens = self._future_tokens(req)
+        total_tokens = req.extend_input_len + future_tokens
         input_tokens = self.ceil_paged_tokens(req.extend_input_len)
         prefix_len = len(req.prefix_indices)
         if total_tokens >= self.rem_total_tokens:
@@ -234,9 +232,9 @@ class PrefillAdder:
             if self.rem_chunk_tokens is None or input_tokens <= self.rem_chunk_tokens:
                 self.can_run_list.append(req)
                 self.tree_cache.inc_lock_ref(req.last_node)
-                self._update_prefill_budget(prefix_len, input_tokens, self._future_tokens(req))
+                self._update_prefill_budget(prefix_len, input_tokens, future_tokens)
             else:
-                trunc_len = self.rem_chunk_tokens // self.page_size * self.page_size
+                trunc_len = page_align_down(self.rem_chunk_tokens, self.page_size)
                 if trunc_len <= 0:
                     return AddReqResult.OTHER
                 req.extend_input_len = trunc_len

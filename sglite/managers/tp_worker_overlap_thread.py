@@ -1,5 +1,5 @@
 """The model worker of the overlap loop (SGLang: managers/tp_worker_overlap_thread.py,
-``TpModelWorkerClient``). Seed 004 §6.
+``TpModelWorkerClient``). docs/seeds.md §B6.
 
 ``forward_batch_generation`` hands a ForwardBatch to a worker thread and returns at
 once with *future* token ids: one negative placeholder per request (``-index`` into
@@ -17,34 +17,16 @@ import queue
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sglite.managers.tp_worker import GenerationBatchResult, TpModelWorker, run_forward
+from sglite.model_executor.forward_batch_info import ForwardBatch
+
 if TYPE_CHECKING:
-    from sglite.model_executor.forward_batch_info import ForwardBatch
+    from sglite.managers.schedule_batch import ModelWorkerBatch
     from sglite.model_executor.model_runner import ModelRunner
-
-
-@dataclass
-class GenerationBatchResult:
-    """What run_batch returns. In the normal loop ``next_token_ids`` is filled at once;
-    in the overlap loop the worker fills it and sets ``done``."""
-
-    next_token_ids: list[int] | None = None
-    forward_started: float = 0.0  # time.monotonic() when the forward began
-    forward_finished: float = 0.0
-    resolved: float = 0.0  # overlap: when the scheduler had the tokens (it may have waited)
-    bid: int = 0  # the batch id (Scheduler.forward_ct at launch)
-    iteration: int = 0  # the scheduler iteration that launched it
-    future_token_ids: list[int] = field(default_factory=list)  # overlap: the placeholders
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-
-    @property
-    def forward_time(self) -> float:
-        return self.forward_finished - self.forward_started
 
 
 def resolve_future_token_ids(input_ids: torch.Tensor, future_token_ids_map: torch.Tensor) -> torch.Tensor:
@@ -52,16 +34,20 @@ def resolve_future_token_ids(input_ids: torch.Tensor, future_token_ids_map: torc
     return torch.where(input_ids < 0, future_token_ids_map[torch.clamp(-input_ids, min=0)], input_ids)
 
 
-def _last_row_of_each_req(forward_batch: "ForwardBatch") -> torch.Tensor:
+def _last_row_of_each_req(forward_batch: ForwardBatch) -> torch.Tensor:
     if forward_batch.forward_mode.is_decode():
         return torch.arange(forward_batch.batch_size, device=forward_batch.input_ids.device)
     return forward_batch.extend_start_loc + forward_batch.extend_seq_lens - 1
 
 
 class TpModelWorkerClient:
-    def __init__(self, model_runner: "ModelRunner", max_running_requests: int):
-        self.model_runner = model_runner
-        self.device = model_runner.device
+    """A TpModelWorker whose forwards run on a thread, one round ahead of the scheduler."""
+
+    def __init__(self, worker: TpModelWorker):
+        self.worker = worker
+        self.model_runner = worker.model_runner
+        self.device = worker.device
+        max_running_requests = worker.max_running_requests
         # futures of at most two rounds are alive at once (the one whose tokens the next
         # forward resolves, and the one being launched); a round has at most
         # max_running_requests + 1 requests (the chunked one)
@@ -80,12 +66,19 @@ class TpModelWorkerClient:
         # also at interpreter exit: a forward thread still alive then aborts the process
         self._finalizer = weakref.finalize(self, _stop_forward_thread, self.input_queue, self._thread)
 
-    def forward_batch_generation(self, forward_batch: "ForwardBatch", bid: int, iteration: int) -> GenerationBatchResult:
-        """Queue the forward; return futures for the tokens it will sample."""
+    def get_memory_pool(self) -> tuple[Any, Any]:
+        return self.worker.get_memory_pool()
+
+    def forward_batch_generation(self, model_worker_batch: "ModelWorkerBatch") -> GenerationBatchResult:
+        """Queue the forward; return futures for the tokens it will sample. The
+        ForwardBatch's tensors are built here, on the scheduler's thread (and, on CUDA,
+        its stream), before the next round's planning edits any list it reads."""
+        forward_batch = ForwardBatch.init_new(model_worker_batch, self.model_runner)
         bs = forward_batch.batch_size
         start = self.future_token_ids_ct + 1
         self.future_token_ids_ct = (self.future_token_ids_ct + bs) % self.future_token_ids_limit
-        result = GenerationBatchResult(bid=bid, iteration=iteration, future_token_ids=[-(start + i) for i in range(bs)])
+        result = GenerationBatchResult(bid=model_worker_batch.bid, iteration=model_worker_batch.iteration,
+                                       future_token_ids=[-(start + i) for i in range(bs)])
         launch_event = None
         if self.forward_stream is not None:
             # the inputs were copied to the device on this thread's stream
@@ -95,7 +88,7 @@ class TpModelWorkerClient:
                               forward_batch, start, result))
         return result
 
-    def resolve_batch_result(self, result: GenerationBatchResult) -> list[int]:
+    def resolve_last_batch_result(self, result: GenerationBatchResult) -> list[int]:
         """Wait for the forward to finish; its sampled token ids."""
         result.done.wait()
         result.resolved = time.monotonic()
@@ -134,9 +127,8 @@ def _forward_thread(input_queue: queue.Queue) -> None:
         del item, model_runner, forward_batch, result
 
 
-def _forward(model_runner: "ModelRunner", future_map: torch.Tensor, forward_batch: "ForwardBatch", start: int,
+def _forward(model_runner: "ModelRunner", future_map: torch.Tensor, forward_batch: ForwardBatch, start: int,
              result: GenerationBatchResult) -> None:
-    result.forward_started = time.monotonic()
     placeholders = forward_batch.input_ids < 0
     if bool(placeholders.any()):
         forward_batch.input_ids = resolve_future_token_ids(forward_batch.input_ids, future_map)
@@ -146,8 +138,5 @@ def _forward(model_runner: "ModelRunner", future_map: torch.Tensor, forward_batc
             rows = _last_row_of_each_req(forward_batch)
             was_future = placeholders[rows]
             info.cumulate_output_tokens(was_future.nonzero().view(-1), forward_batch.input_ids[rows][was_future])
-    logits = model_runner.forward(forward_batch)
-    next_token_ids = model_runner.sample(logits, forward_batch)
+    next_token_ids = run_forward(model_runner, forward_batch, result)
     future_map[start : start + len(next_token_ids)] = next_token_ids
-    result.next_token_ids = next_token_ids.tolist()
-    result.forward_finished = time.monotonic()

@@ -8,12 +8,12 @@ branches on which one it holds.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from sglite.events import EventBus
+    from sglite.events import EventBus, TreeNodeRow
     from sglite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
     from sglite.mem_cache.radix_cache import TreeNode
 
@@ -25,6 +25,20 @@ class MatchResult(NamedTuple):
 
     device_indices: torch.Tensor
     last_device_node: TreeNode | None
+
+
+class CachedReq(Protocol):
+    """What a cache reads and writes of a request (managers/schedule_batch.py's Req
+    has it; tests may pass anything shaped the same)."""
+
+    rid: str
+    origin_input_ids: list[int]
+    output_ids: list[int]
+    fill_ids: list[int]
+    req_pool_idx: int | None
+    prefix_indices: torch.Tensor
+    last_node: Any  # the TreeNode it locks (RadixCache), or None
+    kv_committed_len: int
 
 
 class BasePrefixCache(ABC):
@@ -45,7 +59,7 @@ class BasePrefixCache(ABC):
         return torch.empty(0, dtype=torch.int64, device=self.device)
 
     @staticmethod
-    def _kv_len(req: Any) -> int:
+    def _kv_len(req: CachedReq) -> int:
         """Positions of ``req`` that have KV. The last sampled token has none yet; a
         request with no output (aborted between prefill chunks) holds exactly its
         ``prefix_indices``."""
@@ -54,7 +68,7 @@ class BasePrefixCache(ABC):
         return len(req.prefix_indices)
 
     @classmethod
-    def _allocated_len(cls, req: Any) -> int:
+    def _allocated_len(cls, req: CachedReq) -> int:
         """Positions holding a KV slot: ``_kv_len``, and in the overlap loop also the
         slot of a round still running for a request that has already finished."""
         return max(cls._kv_len(req), req.kv_committed_len)
@@ -66,10 +80,10 @@ class BasePrefixCache(ABC):
     def match_prefix(self, key: list[int]) -> MatchResult: ...
 
     @abstractmethod
-    def cache_finished_req(self, req: Any, is_insert: bool = True) -> None: ...
+    def cache_finished_req(self, req: CachedReq, is_insert: bool = True) -> None: ...
 
     @abstractmethod
-    def cache_unfinished_req(self, req: Any) -> None: ...
+    def cache_unfinished_req(self, req: CachedReq) -> None: ...
 
     @abstractmethod
     def evict(self, num_tokens: int) -> None: ...
@@ -92,7 +106,7 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def all_values_flatten(self) -> torch.Tensor: ...
 
-    def snapshot(self) -> list[dict[str, Any]]:
+    def snapshot(self) -> list["TreeNodeRow"]:
         return []
 
     def pretty_print(self) -> str:

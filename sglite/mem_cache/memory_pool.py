@@ -12,6 +12,20 @@ from collections import deque
 import torch
 
 
+def num_pages(n: int, page_size: int) -> int:
+    """Pages that ``n`` tokens occupy (the last one may be partly used)."""
+    return -(-n // page_size)
+
+
+def page_align_up(n: int, page_size: int) -> int:
+    return num_pages(n, page_size) * page_size
+
+
+def page_align_down(n: int, page_size: int) -> int:
+    """The tokens of ``n`` that fill whole pages (what the radix tree can hold)."""
+    return n // page_size * page_size
+
+
 class ReqToTokenPool:
     """One row per running request: ``req_to_token[req_pool_idx, pos]`` is the KV slot
     holding that request's token at position ``pos``."""
@@ -119,17 +133,17 @@ class TokenToKVPoolAllocator:
         if self.page_size == 1:
             return self.alloc(sum(s - p for p, s in zip(prefix_lens, seq_lens)))
         ps = self.page_size
-        need_pages = sum(-(-s // ps) - -(-p // ps) for p, s in zip(prefix_lens, seq_lens))
+        need_pages = sum(num_pages(s, ps) - num_pages(p, ps) for p, s in zip(prefix_lens, seq_lens))
         pages = self._take_pages(need_pages)
         if pages is None:
             return None
         out: list[torch.Tensor] = []
         cursor = 0
         for p, s, last in zip(prefix_lens, seq_lens, last_locs):
-            tail = min(s, -(-p // ps) * ps) - p  # free slots left in the prefix's last page
+            tail = min(s, page_align_up(p, ps)) - p  # free slots left in the prefix's last page
             if tail > 0:
                 out.append(torch.arange(last + 1, last + 1 + tail, dtype=torch.int64))
-            n_new = -(-s // ps) - -(-p // ps)
+            n_new = num_pages(s, ps) - num_pages(p, ps)
             new_slots = self._pages_to_slots(pages[cursor : cursor + n_new])
             cursor += n_new
             out.append(new_slots[: s - p - max(tail, 0)])

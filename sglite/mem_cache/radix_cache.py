@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from sglite.events import CacheEvicted, CacheInserted, EventBus
-from sglite.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
+from sglite.events import CacheEvicted, CacheInserted, EventBus, TreeNodeRow
+from sglite.mem_cache.base_prefix_cache import BasePrefixCache, CachedReq, MatchResult
+from sglite.mem_cache.memory_pool import page_align_down
 
 if TYPE_CHECKING:
     from sglite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
@@ -115,7 +116,7 @@ class RadixCache(BasePrefixCache):
         return TreeNode(id=next(self._next_id))
 
     def _page_aligned(self, n: int) -> int:
-        return n // self.page_size * self.page_size
+        return page_align_down(n, self.page_size)
 
     def match_prefix(self, key: list[int]) -> MatchResult:
         key = list(key[: self._page_aligned(len(key))])
@@ -274,20 +275,10 @@ class RadixCache(BasePrefixCache):
         values = [n.value for n in self._iter_nodes() if n is not self.root_node]
         return torch.cat(values) if values else self._empty()
 
-    def snapshot(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "id": n.id,
-                "parent_id": None if n.parent is None else n.parent.id,
-                "key_len": len(n.key),
-                "key_head": list(n.key[:SNAPSHOT_KEY_HEAD]),
-                "lock_ref": n.lock_ref,
-                "last_access_time": n.last_access_time,
-                "access_seq": n.access_seq,
-                "hit_count": n.hit_count,
-            }
-            for n in self._iter_nodes()
-        ]
+    def snapshot(self) -> list[TreeNodeRow]:
+        return [TreeNodeRow(n.id, -1 if n.parent is None else n.parent.id, len(n.key),
+                            tuple(n.key[:SNAPSHOT_KEY_HEAD]), n.lock_ref, n.access_seq, n.hit_count)
+                for n in self._iter_nodes()]
 
     def pretty_print(self) -> str:
         lines: list[str] = []
@@ -303,12 +294,12 @@ class RadixCache(BasePrefixCache):
 
     # --- requests -------------------------------------------------------------------
 
-    def _owned_start(self, req: Any) -> int:
+    def _owned_start(self, req: CachedReq) -> int:
         # prefix_indices is tree-owned only up to its last whole page; a chunked
         # request's unaligned tail (see cache_unfinished_req) is still its own
         return self._page_aligned(len(req.prefix_indices))
 
-    def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
+    def cache_finished_req(self, req: CachedReq, is_insert: bool = True) -> None:
         n = self._kv_len(req)
         kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, : self._allocated_len(req)].clone()
         start = self._owned_start(req)
@@ -330,7 +321,7 @@ class RadixCache(BasePrefixCache):
         req.req_pool_idx = None
         self.dec_lock_ref(req.last_node)
 
-    def cache_unfinished_req(self, req: Any) -> None:
+    def cache_unfinished_req(self, req: CachedReq) -> None:
         token_ids = list(req.fill_ids)
         n = len(token_ids)
         idx = req.req_pool_idx

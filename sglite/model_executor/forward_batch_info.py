@@ -1,16 +1,18 @@
 """ForwardMode and ForwardBatch: one forward's input snapshot (SGLang:
-model_executor/forward_batch_info.py). Seed 000 §5: the ScheduleBatch is the round's
+model_executor/forward_batch_info.py). docs/seeds.md §A5: the ScheduleBatch is the round's
 plan; ForwardBatch.init_new turns it into what the model reads."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum, auto
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
+    from sglite.managers.schedule_batch import ModelWorkerBatch
+    from sglite.model_executor.model_runner import ModelRunner
     from sglite.layers.attention.base_attn_backend import AttentionBackend
     from sglite.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglite.sampling.sampling_batch_info import SamplingBatchInfo
@@ -65,8 +67,9 @@ class ForwardBatch:
     return_all_logits: bool = False
 
     @classmethod
-    def init_new(cls, batch: Any, model_runner: Any) -> "ForwardBatch":
-        """Build from a ScheduleBatch (or anything with the same fields)."""
+    def init_new(cls, batch: "ModelWorkerBatch", model_runner: "ModelRunner") -> "ForwardBatch":
+        """The round's lists as tensors on the model's device, plus positions and the
+        extend offsets the attention backends read."""
         device = model_runner.device
         seq_lens_cpu = [int(x) for x in batch.seq_lens]
         bs = len(seq_lens_cpu)
@@ -80,11 +83,11 @@ class ForwardBatch:
             seq_lens_sum=sum(seq_lens_cpu),
             positions=torch.empty(0),
             seq_lens_cpu=seq_lens_cpu,
-            sampling_info=getattr(batch, "sampling_info", None),
+            sampling_info=batch.sampling_info,
             req_to_token_pool=model_runner.req_to_token_pool,
             token_to_kv_pool=model_runner.token_to_kv_pool,
             attn_backend=model_runner.attn_backend,
-            return_all_logits=getattr(batch, "return_all_logits", False),
+            return_all_logits=batch.return_all_logits,
         )
         if fb.forward_mode.is_decode():
             # seq_lens already count the token being decoded

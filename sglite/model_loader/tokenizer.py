@@ -79,6 +79,9 @@ class Tokenizer:
         self.add_bos = add_bos
         self.chat_template = chat_template
         self._template: jinja2.Template | None = None
+        # ids that decode to nothing with skip_special_tokens (every other id decodes
+        # to at least one byte)
+        self.special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
 
     @property
     def vocab_size(self) -> int:

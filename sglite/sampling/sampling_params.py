@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 _GREEDY_EPS = 1e-6
+# SGLang's TOP_K_ALL: top_k = -1 (off) becomes "keep every token"
+TOP_K_ALL = 1 << 30
 
 
 @dataclass
@@ -65,7 +67,7 @@ class SamplingParams:
             self.temperature = 1.0
             self.top_k = 1
         if self.top_k == -1:
-            self.top_k = 1 << 30
+            self.top_k = TOP_K_ALL
         stop = self.stop
         self.stop_strs = [stop] if isinstance(stop, str) else list(stop or [])
 

@@ -65,6 +65,6 @@ def test_same_tokens_as_alone(name, overlap, reference):
     mismatched = [i for i, (a, b) in enumerate(zip(got, reference)) if a != b]
     assert not mismatched, f"{len(mismatched)} requests differ, first {mismatched[0]}"
     sched = engine.scheduler
-    assert sched.num_retracted_reqs >= MIN_RETRACTIONS.get(name, 0), sched.num_retracted_reqs
+    assert sched.observer.num_retracted_reqs >= MIN_RETRACTIONS.get(name, 0), sched.observer.num_retracted_reqs
     engine.step()  # idle round: self_check_during_idle
     assert sched.token_to_kv_pool_allocator.available_size() + sched.tree_cache.total_size() == sched.max_total_num_tokens

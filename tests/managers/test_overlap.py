@@ -1,4 +1,4 @@
-"""The overlap loop (seed 004 §6): round N+1 is planned while round N runs, with future
+"""The overlap loop (docs/seeds.md §B6): round N+1 is planned while round N runs, with future
 token ids; results lag one iteration; a request finished by round N but already planned
 into N+1 loses that extra token and frees its memory exactly once."""
 
@@ -25,7 +25,7 @@ def make_engine(overlap: bool = True, **kw) -> Engine:
 def spy_forward_inputs(engine: Engine) -> list[tuple[ForwardMode, list[int], list[int]]]:
     """(mode, input_ids, positions) of every forward, as the model saw them."""
     seen = []
-    runner = engine.scheduler.model_runner
+    runner = engine.scheduler.tp_worker.model_runner
     real = runner.forward
 
     def forward(fb):
@@ -42,7 +42,7 @@ def run_to_idle(engine: Engine) -> None:
             engine.step()  # idle round: self_check_during_idle raises on a leak
             return
         engine.step()
-        engine.scheduler.self_check_during_busy()
+        engine.scheduler.runtime_checker.self_check_during_busy()
     raise AssertionError("did not finish")
 
 
@@ -111,7 +111,7 @@ def test_penalties_count_the_token_that_was_a_future():
     while its input token is still a future; the worker counts it before sampling. With
     every prompt 8 tokens long, a decode row at position p has p - 7 output tokens."""
     engine = make_engine()
-    runner = engine.scheduler.model_runner
+    runner = engine.scheduler.tp_worker.model_runner
     real_sample, checked = runner.sample, []
 
     def sample(logits, fb):
@@ -164,7 +164,7 @@ def test_a_failing_forward_is_raised_by_the_scheduler():
     def broken(fb):
         raise ValueError("boom")
 
-    engine.scheduler.model_runner.forward = broken
+    engine.scheduler.tp_worker.model_runner.forward = broken
     engine.submit(input_ids=[3, 4, 5], sampling_params={"max_new_tokens": 2, **GREEDY})
     engine.step()  # launched; the error surfaces when the result is collected
     with pytest.raises(RuntimeError, match="forward of batch 1 failed.*boom"):

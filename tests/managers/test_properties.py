@@ -49,7 +49,7 @@ def test_random_workloads_finish_without_leaks(reqs, pool, chunk, policy, page_s
             if abort_at == step and i in rids:
                 engine.abort(rids[i])
         engine.step()
-        sched.self_check_during_busy()
+        sched.runtime_checker.self_check_during_busy()
         tree = sched.tree_cache
         assert tree.evictable_size() + tree.protected_size() == tree.total_size()
         step += 1

@@ -20,7 +20,7 @@ def make_engine(**kw) -> Engine:
 def spy_forwards(engine: Engine) -> list:
     """Record every ForwardBatch the model runner receives."""
     seen = []
-    runner = engine.scheduler.model_runner
+    runner = engine.scheduler.tp_worker.model_runner
     real = runner.forward
 
     def forward(fb):
@@ -38,12 +38,12 @@ def run_to_idle(engine: Engine, check_busy: bool = True, max_steps: int = 100_00
             return
         engine.step()
         if check_busy:
-            engine.scheduler.self_check_during_busy()
+            engine.scheduler.runtime_checker.self_check_during_busy()
     raise AssertionError("did not finish")
 
 
 def test_seed_worked_example_r1_r2():
-    """Seed 000 §3-§4: R2 reuses a 3-token cached prefix. One prefill round: prefix_lens
+    """docs/seeds.md §A3-§A4: R2 reuses a 3-token cached prefix. One prefill round: prefix_lens
     [0, 3], extend_lens [6, 3], seq_lens [6, 6], 9 rows and 9 out_cache_loc slots; the
     next round decodes 2 rows at positions [6, 6]. (event_loop_normal, as in the seed;
     tests/managers/test_overlap.py follows the same example through the overlap loop.)"""

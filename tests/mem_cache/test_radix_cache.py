@@ -260,20 +260,18 @@ def test_snapshot_and_reset():
     res = cache.match_prefix([1, 2, 3])
     cache.inc_lock_ref(res.last_device_node)
     snap = cache.snapshot()
-    by_id = {d["id"]: d for d in snap}
-    assert snap[0]["id"] == 0 and snap[0]["parent_id"] is None
-    assert set(snap[0]) == {"id", "parent_id", "key_len", "key_head", "lock_ref", "last_access_time", "access_seq",
-                            "hit_count"}
+    by_id = {d.id: d for d in snap}
+    assert snap[0].id == 0 and snap[0].parent_id == -1
     upper = by_id[res.last_device_node.id]
     # access_seq breaks last_access_time ties: the matched node was touched after its child
-    lower_id = next(d["id"] for d in snap if d["parent_id"] == upper["id"])
-    assert upper["access_seq"] > by_id[lower_id]["access_seq"]
-    assert upper["key_head"] == [1, 2, 3] and upper["lock_ref"] == 1 and upper["hit_count"] == 1
-    lower = [d for d in snap if d["parent_id"] == upper["id"]]
-    assert len(lower) == 1 and lower[0]["key_len"] == 2 and lower[0]["lock_ref"] == 0
+    lower_id = next(d.id for d in snap if d.parent_id == upper.id)
+    assert upper.access_seq > by_id[lower_id].access_seq
+    assert upper.key_head == (1, 2, 3) and upper.lock_ref == 1 and upper.hit_count == 1
+    lower = [d for d in snap if d.parent_id == upper.id]
+    assert len(lower) == 1 and lower[0].key_len == 2 and lower[0].lock_ref == 0
     assert "#tokens: 5" in cache.pretty_print()
     cache.reset()
-    assert cache.total_size() == 0 and cache.snapshot()[0]["id"] == 0 and len(cache.snapshot()) == 1
+    assert cache.total_size() == 0 and cache.snapshot()[0].id == 0 and len(cache.snapshot()) == 1
 
 
 # --- request level --------------------------------------------------------------------

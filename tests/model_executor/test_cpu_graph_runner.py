@@ -15,7 +15,7 @@ from sglite.engine import Engine
 from sglite.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglite.model_executor.model_runner import ModelRunner
 from sglite.server_args import ServerArgs
-from tests.helpers import HandBatch, HandScheduler
+from tests.helpers import hand_batch, HandScheduler
 
 VARIANTS = {
     # tiny-random's shape: GQA 4/2, head_dim 16 (the kernel's runtime head_dim), untied
@@ -129,7 +129,7 @@ def test_the_graph_leaves_the_gil_while_it_runs():
     loc = r.token_to_kv_pool_allocator.alloc(len(seqs))
     for j, s in enumerate(seqs):
         r.req_to_token_pool.write(s, 199, loc[j : j + 1])
-    fb = ForwardBatch.init_new(HandBatch(ForwardMode.DECODE, [3] * len(seqs), seqs, [200] * len(seqs), loc), r)
+    fb = ForwardBatch.init_new(hand_batch(ForwardMode.DECODE, [3] * len(seqs), seqs, [200] * len(seqs), loc), r)
     assert r.cpu_graph_runner.can_run(fb)
     started, done, spins = threading.Event(), threading.Event(), []
 

@@ -22,7 +22,7 @@ def alone(tokens: list[int]) -> torch.Tensor:
 
 
 def test_seed_batch_rows_equal_each_request_alone():
-    """R1 prefills 6 rows; R2 has 3 tokens in the pool and extends 3 (seed 000 §3)."""
+    """R1 prefills 6 rows; R2 has 3 tokens in the pool and extends 3 (docs/seeds.md §A3)."""
     r1, r2 = [21, 22, 23, 24, 25, 26], [11, 12, 13, 31, 32, 33]
     hs = HandScheduler(runner())
     warm, a, b = hs.new_seq(), hs.new_seq(), hs.new_seq()

@@ -67,7 +67,7 @@ def test_extend_logits_match_transformers(case):
 
 @pytest.mark.parametrize("case", ["llama-gqa-tied", "qwen2-bias"])
 def test_mixed_prefix_batch_and_decode_match_transformers(case):
-    """R1 prefills 6 rows; R2 has 3 cached tokens and extends 3 (seed 000 §3); both then
+    """R1 prefills 6 rows; R2 has 3 cached tokens and extends 3 (docs/seeds.md §A3); both then
     decode one token at position 6 (§4). Every row equals the model run alone."""
     arch, extra = CASES[case]
     hf, cfg = _hf_model(arch, extra)

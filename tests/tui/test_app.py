@@ -62,9 +62,9 @@ def test_panels_after_the_first_retract():
             sched = engine.scheduler
             for _ in range(500):
                 host.step()
-                if sched.num_retracted_reqs:
+                if sched.observer.num_retracted_reqs:
                     break
-            assert sched.num_retracted_reqs > 0
+            assert sched.observer.num_retracted_reqs > 0
             app._tick()
             await pilot.pause()
             waiting = table_rows(app, "waiting")
@@ -77,12 +77,12 @@ def test_panels_after_the_first_retract():
                                                                  f"{sched.cur_batch.forward_mode.name}")
             assert app.query_one("#plan").border_subtitle == f"#{sched.forward_ct} in flight, #{sched.forward_ct - 1} processed"
             pool = app.query_one("#pool").plain
-            assert f"retracted {sched.num_retracted_reqs}" in pool
+            assert f"retracted {sched.observer.num_retracted_reqs}" in pool
             assert app.query_one("#poolbox").border_title == f"KV pool: {sched.max_total_num_tokens} tokens"
             log_text = "\n".join(panel_texts(app)["log"])
             assert "retract" in log_text and "new_token_ratio" in log_text
             top = [label for depth, label in app.query_one("#tree").lines if depth == 0]
-            assert len(top) == len([n for n in sched.tree_cache.snapshot() if n["parent_id"] == 0])
+            assert len(top) == len([n for n in sched.tree_cache.snapshot() if n.parent_id == 0])
 
     asyncio.run(scenario())
 
@@ -136,7 +136,7 @@ def test_frames_drawn_line_by_line_equal_a_full_repaint():
                     await pilot.pause()
                     assert app.selected == app.query_one("#running").rows[0][0]
                     await same_after_a_full_repaint()
-            assert engine.scheduler.num_retracted_reqs > 0  # the queues grew and shrank on the way
+            assert engine.scheduler.observer.num_retracted_reqs > 0  # the queues grew and shrank on the way
             await same_after_a_full_repaint()
 
     asyncio.run(scenario())
@@ -161,8 +161,8 @@ def test_views_match_the_scheduler_at_every_iteration(overlap):
         assert (view.pool_free, view.pool_evictable) == (sched.token_to_kv_pool_allocator.available_size(),
                                                          sched.tree_cache.evictable_size())
         snap = sched.tree_cache.snapshot()
-        assert [(n[0], n[4]) for n in view.tree] == [(n["id"], n["lock_ref"]) for n in snap]
-        assert view.retractions == sched.num_retracted_reqs
+        assert [(n.id, n.lock_ref) for n in view.tree] == [(n.id, n.lock_ref) for n in snap]
+        assert view.retractions == sched.observer.num_retracted_reqs
         if not sched.has_work() and not host.pending:
             break
     assert view.finished == len(WORKLOAD.arrivals) and view.retractions > 0

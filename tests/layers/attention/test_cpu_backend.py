@@ -14,7 +14,7 @@ from sglite.layers import cpu_ops
 from sglite.layers.custom_op import CustomOp
 from sglite.layers.attention import torch_native_backend as tn
 from sglite.layers.attention.cpu_backend import CpuAttnBackend
-from sglite.layers.attention.paged_batch import make_paged_case, run_attention
+from benchmarks.paged_batch import make_paged_case, run_attention
 from sglite.model_executor.model_runner import resolve_attention_backend
 from tests.layers.attention.test_torch_native_backend import dense_reference, share_prefix
 
@@ -154,7 +154,7 @@ def test_engine_tokens_equal_torch_native_through_retracts_and_mixed_rounds():
         # a pool too small for all eight at once: retracts; mixed chunks put decode rows beside prefill
         engine = Engine("tiny-random", attention_backend=backend, max_total_tokens=320, enable_mixed_chunk=True,
                         chunked_prefill_size=64)
-        ops = [m for m in engine.scheduler.model_runner.model.modules() if isinstance(m, CustomOp)]
+        ops = [m for m in engine.scheduler.tp_worker.model_runner.model.modules() if isinstance(m, CustomOp)]
         assert ops and {m.impl for m in ops} == {"cpu" if backend == "cpu" else "native"}  # norms, RoPE, SiLU too
         try:
             return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]

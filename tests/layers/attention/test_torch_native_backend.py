@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sglite.layers.attention import torch_native_backend as tn
-from sglite.layers.attention.paged_batch import make_paged_case, run_attention
+from benchmarks.paged_batch import make_paged_case, run_attention
 from sglite.model_executor.forward_batch_info import ForwardMode
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglite.layers.attention.paged_batch import make_paged_case, run_attention
+from benchmarks.paged_batch import make_paged_case, run_attention
 from sglite.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglite.layers.attention.triton_backend import TritonAttnBackend
 from sglite.layers.attention.triton_ops.decode_attention import decode_attention_fwd

@@ -32,6 +32,12 @@ def _online_softmax_step(qk, v, m_i, l_i, acc):
 
 
 @triton.jit
+def _load_tile(Base, rows, stride_row, head_offset, offs_d, mask):
+    """One head's vectors at ``rows``: [len(rows), BLOCK_D], zeros where masked."""
+    return tl.load(Base + rows[:, None] * stride_row + head_offset + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
 def _fwd_kernel_extend(
     Q_Extend, K_Extend, V_Extend, O_Extend, K_Buffer, V_Buffer,
     Req_to_token, Req_pool_indices, Prefix_lens, Extend_seq_lens, Extend_start_loc,
@@ -41,8 +47,7 @@ def _fwd_kernel_extend(
     KV_GROUP_NUM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    b, h = tl.program_id(0), tl.program_id(1)
     kvh = h // KV_GROUP_NUM
     m_start = tl.program_id(2) * BLOCK_M
 
@@ -51,20 +56,17 @@ def _fwd_kernel_extend(
     start = tl.load(Extend_start_loc + b).to(tl.int64)
     req = tl.load(Req_pool_indices + b).to(tl.int64)
 
-    offs_m = m_start + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    m_mask = offs_m < ext_len
-    q = tl.load(Q_Extend + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    offs_m, offs_d = m_start + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
+    m_mask, d_mask = offs_m < ext_len, offs_d < HEAD_DIM
+    q = _load_tile(Q_Extend, start + offs_m, stride_qt, h * stride_qh, offs_d, m_mask[:, None] & d_mask[None, :])
 
     # a block past this request's rows (the grid covers the longest request) does no work
     live = m_start < ext_len
     prefix_end = tl.where(live, prefix_len, 0)
     extend_end = tl.where(live, tl.minimum(m_start + BLOCK_M, ext_len), 0)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # online softmax state: running max, denominator, unnormalised output
+    m_i, l_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # 1. the cached prefix, gathered through req_to_token
@@ -73,10 +75,10 @@ def _fwd_kernel_extend(
         n_mask = offs_n < prefix_end
         slots = tl.load(Req_to_token + req * stride_r2t + offs_n, mask=n_mask, other=0).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K_Buffer + slots[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = _load_tile(K_Buffer, slots, stride_kbs, kvh * stride_kbh, offs_d, kv_mask)
         qk = tl.dot(q, tl.trans(k)) * sm_scale
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        v = tl.load(V_Buffer + slots[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = _load_tile(V_Buffer, slots, stride_vbs, kvh * stride_vbh, offs_d, kv_mask)
         m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc)
 
     # 2. the new rows, causal
@@ -84,13 +86,11 @@ def _fwd_kernel_extend(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < extend_end
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K_Extend + (start + offs_n)[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+        k = _load_tile(K_Extend, start + offs_n, stride_kt, kvh * stride_kh, offs_d, kv_mask)
         qk = tl.dot(q, tl.trans(k)) * sm_scale
         causal = (offs_m[:, None] >= offs_n[None, :]) & n_mask[None, :]
         qk = tl.where(causal, qk, float("-inf"))
-        v = tl.load(V_Extend + (start + offs_n)[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+        v = _load_tile(V_Extend, start + offs_n, stride_vt, kvh * stride_vh, offs_d, kv_mask)
         m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows of a dead block: stored nowhere, kept finite

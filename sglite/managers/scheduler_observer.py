@@ -1,0 +1,200 @@
+"""What watches the scheduler: its events, the per-iteration SchedulerSnapshot for the
+TUI, the statistics, and SGLang's ``Prefill batch.`` / ``Decode batch.`` log lines
+(SGLang keeps these in mixins of the Scheduler: scheduler_metrics_mixin.py and
+friends). The Scheduler holds one and tells it what happened; none of this decides
+anything, so the scheduling code reads without it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from sglite import events as ev
+from sglite.sampling.sampling_params import TOP_K_ALL
+
+if TYPE_CHECKING:
+    from sglite.managers.schedule_batch import ModelWorkerBatch, Req, ScheduleBatch
+    from sglite.managers.schedule_policy import PrefillAdder
+    from sglite.managers.scheduler import Scheduler
+    from sglite.managers.tp_worker import GenerationBatchResult
+
+logger = logging.getLogger("sglite")
+
+
+class SchedulerObserver:
+    def __init__(self, scheduler: "Scheduler", event_bus: ev.EventBus):
+        self.scheduler = scheduler
+        self.event_bus = event_bus
+        self.num_retracted_reqs = 0
+        self.total_hit_tokens = 0
+        self.total_input_tokens = 0
+        self.num_generated_tokens = 0  # since the last Decode batch. line
+        self.forward_ct_decode = 0
+        self.last_decode_stats_tic = time.perf_counter()
+        self.last_matched_node_id = 0  # radix node where the latest admission's prefix match ended
+        self._last_tree: tuple[ev.TreeNodeRow, ...] | None = None
+        # the phases of the current iteration (time.monotonic), for IterationFinished
+        self._started = self._scheduled = self._launched = self._resolved = 0.0
+        self._processed_bid = 0
+
+    # --- statistics -------------------------------------------------------------------
+
+    def num_used_tokens(self) -> int:
+        """KV slots held by requests: neither free nor evictable from the tree."""
+        s = self.scheduler
+        free = s.token_to_kv_pool_allocator.available_size() + s.tree_cache.evictable_size()
+        return s.max_total_num_tokens - free
+
+    def token_usage(self) -> float:
+        return self.num_used_tokens() / self.scheduler.max_total_num_tokens
+
+    def cache_hit_rate(self) -> float:
+        total = self.total_hit_tokens + self.total_input_tokens
+        return self.total_hit_tokens / total if total else 0.0
+
+    # --- requests ---------------------------------------------------------------------
+
+    def on_req_arrived(self, req: "Req", temperature: float) -> None:
+        p = req.sampling_params
+        self.event_bus.emit(ev.ReqArrived, rid=req.rid, prompt_tokens=len(req.origin_input_ids),
+                            max_new_tokens=p.max_new_tokens, temperature=temperature, top_p=p.top_p,
+                            top_k=p.top_k if p.top_k < TOP_K_ALL else -1)
+
+    def on_req_aborted(self, rid: str, reason: str) -> None:
+        self.event_bus.emit(ev.ReqAborted, rid=rid, reason=reason)
+
+    def on_req_chunked(self, req: "Req", computed_len: int) -> None:
+        self.event_bus.emit(ev.ReqChunked, rid=req.rid, chunk_index=req.chunk_index - 1, computed_len=computed_len,
+                            total_len=len(req.origin_input_ids) + len(req.output_ids))
+
+    def on_req_finished(self, req: "Req") -> None:
+        assert req.finished_reason is not None
+        self.event_bus.emit(ev.ReqFinished, rid=req.rid, reason=req.finished_reason.to_json()["type"],
+                            prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
+                            cached_tokens=req.cached_tokens)
+
+    # --- scheduling -------------------------------------------------------------------
+
+    def on_admission_stopped(self, reason: str, adder: "PrefillAdder | None" = None) -> None:
+        if self.event_bus.active:
+            self.event_bus.emit(ev.AdmissionStopped, reason=reason, waiting=len(self.scheduler.waiting_queue),
+                                rem_total_tokens=int(adder.rem_total_tokens) if adder else 0,
+                                rem_input_tokens=int(adder.rem_input_tokens) if adder else 0)
+
+    def on_prefill_batch(self, can_run: list["Req"], adder: "PrefillAdder", running_bs: int) -> None:
+        """The admitted requests' events, the hit statistics, SGLang's Prefill batch. line."""
+        self.total_hit_tokens += adder.log_hit_tokens
+        self.total_input_tokens += adder.log_input_tokens
+        chunked = self.scheduler.chunked_req
+        for req in can_run:
+            if req.last_node is not None:
+                self.last_matched_node_id = req.last_node.id
+            self.event_bus.emit(ev.CacheMatched, rid=req.rid, matched_len=len(req.prefix_indices),
+                                key_len=len(req.fill_ids))
+            self.event_bus.emit(ev.ReqAdmitted, rid=req.rid, prefix_len=len(req.prefix_indices),
+                                extend_len=req.extend_input_len, chunked=req is chunked)
+        logger.info(
+            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+            "#running-req: %d, #queue-req: %d",
+            len(can_run), adder.log_input_tokens, adder.log_hit_tokens, self.token_usage(),
+            running_bs, len(self.scheduler.waiting_queue),
+        )
+
+    def on_retract(self, retracted: list["Req"], old_ratio: float, new_ratio: float) -> None:
+        self.num_retracted_reqs += len(retracted)
+        logger.warning("KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f -> %.4f",
+                       len(retracted), old_ratio, new_ratio)
+        for req in retracted:
+            self.event_bus.emit(ev.ReqRetracted, rid=req.rid, reason="KV cache pool is full",
+                                old_new_token_ratio=old_ratio, new_token_ratio=new_ratio,
+                                output_tokens=len(req.output_ids))
+
+    # --- forwards ---------------------------------------------------------------------
+
+    def on_batch_planned(self, batch: "ScheduleBatch", worker_batch: "ModelWorkerBatch") -> None:
+        self._scheduled = time.monotonic()
+        if self.event_bus.active:
+            self.event_bus.emit(ev.BatchPlanned, bid=worker_batch.bid, forward_mode=batch.forward_mode.name,
+                                rids=tuple(r.rid for r in batch.reqs), seq_lens=tuple(batch.seq_lens),
+                                prefix_lens=tuple(batch.prefix_lens), extend_lens=tuple(batch.extend_lens),
+                                out_cache_loc=tuple(batch.out_cache_loc.tolist()), num_rows=len(batch.input_ids))
+
+    def on_batch_launched(self) -> None:
+        self._launched = time.monotonic()
+
+    def on_batch_result(self, batch: "ScheduleBatch", result: "GenerationBatchResult") -> None:
+        """The forward ran (in the overlap loop: while the scheduler went on): report it
+        with its own times, under the iteration that launched it."""
+        self._processed_bid = result.bid
+        self._resolved = max(result.resolved, self._launched)
+        if self.event_bus.active:
+            for event_cls, ts in ((ev.ForwardStarted, result.forward_started), (ev.ForwardFinished, result.forward_finished)):
+                fields: dict[str, Any] = dict(bid=result.bid, forward_mode=batch.forward_mode.name, ts=ts,
+                                              batch_size=batch.batch_size(), num_tokens=batch.extend_num_tokens,
+                                              backend=self.scheduler.tp_worker.model_runner.attn_backend.name,
+                                              iteration=result.iteration)
+                if event_cls is ev.ForwardFinished:
+                    fields["duration"] = result.forward_time
+                self.event_bus.emit(event_cls, **fields)
+        if batch.forward_mode.is_decode():
+            self.num_generated_tokens += batch.batch_size()  # as SGLang counts it: decode rows
+            self.forward_ct_decode += 1
+            if self.forward_ct_decode % self.scheduler.server_args.decode_log_interval == 0:
+                self.log_decode_stats(batch)
+
+    def log_decode_stats(self, batch: "ScheduleBatch") -> None:
+        now = time.perf_counter()
+        throughput = self.num_generated_tokens / max(now - self.last_decode_stats_tic, 1e-9)
+        self.num_generated_tokens, self.last_decode_stats_tic = 0, now
+        logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+                    "#queue-req: %d", batch.batch_size(), self.num_used_tokens(), self.token_usage(), throughput,
+                    len(self.scheduler.waiting_queue))
+
+    # --- iterations -------------------------------------------------------------------
+
+    def on_iteration_start(self) -> None:
+        self.event_bus.iteration = self.scheduler.iteration
+        self._started = time.monotonic()
+        self._scheduled = self._launched = self._resolved = 0.0
+        self._processed_bid = 0
+
+    def on_iteration_end(self, batch: "ScheduleBatch | None") -> None:
+        """Publish the snapshot (when a viewer wants state) and IterationFinished."""
+        if self.event_bus.wants_snapshots:
+            self.event_bus.publish(self.snapshot(full_tree=False))
+        else:
+            self._last_tree = None  # a later snapshot subscriber gets the whole tree
+        if not self.event_bus.active:
+            return
+        s = self.scheduler
+        scheduled = self._scheduled or time.monotonic()
+        launched = self._launched or scheduled
+        self.event_bus.emit(
+            ev.IterationFinished, started=self._started, scheduled=scheduled, forwarded=launched,
+            resolved=self._resolved or launched, bid=s.forward_ct if batch is not None else 0,
+            processed_bid=self._processed_bid, forward_mode=batch.forward_mode.name if batch is not None else "",
+            rids=tuple(r.rid for r in batch.reqs) if batch is not None else (),
+            num_waiting=len(s.waiting_queue), num_running=len(s.running_reqs()), token_usage=self.token_usage(),
+            cache_hit_rate=self.cache_hit_rate(), new_token_ratio=s.new_token_ratio,
+        )
+
+    def snapshot(self, full_tree: bool = True) -> ev.SchedulerSnapshot:
+        """A SchedulerSnapshot of the state now (between iterations it is the state after
+        the last one). ``full_tree=False`` leaves the tree out when it has not changed
+        since the previous such snapshot (the per-iteration stream does that)."""
+        s = self.scheduler
+        waiting = tuple(ev.WaitingRow(r.rid, len(r.origin_input_ids), len(r.prefix_indices)) for r in s.waiting_queue)
+        running = tuple(ev.RunningRow(r.rid, r.seqlen, len(r.output_ids), r.sampling_params.max_new_tokens)
+                        for r in s.running_reqs())
+        tree: tuple[ev.TreeNodeRow, ...] | None = tuple(s.tree_cache.snapshot())
+        if not full_tree:
+            changed = tree != self._last_tree
+            self._last_tree = tree
+            tree = tree if changed else None
+        return ev.SchedulerSnapshot(
+            iteration=s.iteration, waiting=waiting, running=running,
+            chunked_rid=s.chunked_req.rid if s.chunked_req is not None else "",
+            pool_total=s.max_total_num_tokens, pool_free=s.token_to_kv_pool_allocator.available_size(),
+            pool_evictable=s.tree_cache.evictable_size(), tree=tree, matched_node=self.last_matched_node_id,
+            policy=s.server_args.schedule_policy, overlap=s.enable_overlap)
