@@ -11,28 +11,42 @@ import itertools
 import logging
 import sys
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from sglite.events import EventBus
 from sglite.managers.detokenizer_manager import DetokenizerManager
-from sglite.managers.io_struct import AbortReq, BatchStrOut, BatchTokenIDOut, TokenizedGenerateReqInput
+from sglite.managers.io_struct import AbortReq, BatchStrOut, BatchTokenIDOut
 from sglite.managers.scheduler import Scheduler
-from sglite.sampling.sampling_params import SamplingParams
+from sglite.managers.tokenizer_manager import TokenizerManager
 from sglite.server_args import DEFAULT_MODEL, ServerArgs
 
 Prompt = str | list[str] | None
+MAX_KEPT_RESULTS = 4096  # finished results that submit() callers have not read
 
 
 @dataclass
 class ReqState:
     """What the Engine has collected of one request (SGLang's TokenizerManager keeps a
-    ReqState per rid too)."""
+    ReqState per rid too). Outputs are routed here by rid, whichever caller's step()
+    produced them, so streams and generate calls can interleave."""
 
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     meta_info: dict[str, Any] = field(default_factory=dict)
     finished: bool = False
+    waiter: bool = False  # a generate() or stream will read it, then drop it
+    pending: deque[BatchStrOut] = field(default_factory=deque)  # a stream's unread outputs
+    stream: bool = False
+
+    def add(self, out: BatchStrOut) -> None:
+        self.text += out.new_text
+        self.output_ids += out.new_token_ids
+        if out.finished:
+            self.finished, self.meta_info = True, out.meta_info
+        if self.stream:
+            self.pending.append(out)
 
     def to_dict(self) -> dict[str, Any]:
         """The result as ``generate`` returns it (plus ``error`` for a rejected request)."""
@@ -49,6 +63,9 @@ class Engine:
         self.event_bus = event_bus or EventBus()
         self.scheduler = Scheduler(self.server_args, event_bus=self.event_bus)
         self.tokenizer = self.scheduler.tokenizer
+        s = self.scheduler
+        self.tokenizer_manager = TokenizerManager(self.tokenizer, s.model_config.vocab_size, s.max_req_input_len,
+                                                  s.tp_worker.model_runner.context_len, s.max_total_num_tokens)
         # in-process here; its own process under `sglite serve`
         self.detokenizer = DetokenizerManager(self.tokenizer, self.event_bus)
         self.scheduler.send_to_detokenizer = self._detokenize
@@ -59,46 +76,39 @@ class Engine:
         self._lock = threading.RLock()
         self._froze_gc = False  # freeze_gc was called: shutdown gives the heap back
 
-    # --- building requests ------------------------------------------------------------
-
-    def _tokenize(self, prompt: str | None, input_ids: list[int] | None, messages: list[dict] | None,
-                  sampling_params: dict[str, Any] | None, rid: str | None, stream: bool) -> TokenizedGenerateReqInput:
-        rid = rid if rid is not None else f"r{next(self._rid_counter)}"
-        error = None
-        ids: list[int] = []
-        text = prompt
-        try:
-            params = SamplingParams.from_dict(sampling_params)
-        except (TypeError, ValueError) as e:
-            params, error = SamplingParams(), str(e)
-        if error is None:
-            try:
-                if messages is not None:
-                    text = self._need_tokenizer().apply_chat_template(messages, add_generation_prompt=True)
-                if input_ids is not None:
-                    ids = [int(t) for t in input_ids]
-                elif text is not None:
-                    ids = self._need_tokenizer().encode(text) if text else []
-                else:
-                    error = "give a prompt, chat messages or input_ids"
-            except (ValueError, TypeError, KeyError) as e:
-                error = f"could not build the prompt: {e}"
-        return TokenizedGenerateReqInput(rid, text, ids, params, stream, error)
-
-    def _need_tokenizer(self):  # noqa: ANN202
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer; pass input_ids")
-        return self.tokenizer
+    # --- requests ---------------------------------------------------------------------
 
     def submit(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
                messages: list[dict] | None = None, sampling_params: dict[str, Any] | None = None,
-               rid: str | None = None, stream: bool = False) -> str:
-        """Queue one request for the next iteration; returns its rid."""
-        req = self._tokenize(prompt, input_ids, messages, sampling_params, rid, stream)
+               rid: str | None = None, stream: bool = False, _waiter: bool = False) -> str:
+        """Queue one request for the next iteration; returns its rid. Raises ValueError
+        for a rid already in use; any other bad input comes back as the request's error."""
         with self._lock:
-            self._results[req.rid] = ReqState()
-        self.scheduler.send(req)
-        return req.rid
+            rid = self._claim_rid(rid, stream, _waiter)
+        self.scheduler.send(self.tokenizer_manager.tokenize(rid, prompt, input_ids, messages, sampling_params, stream))
+        return rid
+
+    def _claim_rid(self, rid: Any, stream: bool, waiter: bool) -> str:
+        """A fresh rid, or the caller's if no unfinished request (or unread result) has it."""
+        if rid is None:
+            rid = f"r{next(self._rid_counter)}"
+            while rid in self._results:
+                rid = f"r{next(self._rid_counter)}"
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"rid must be a non-empty string, got {rid!r}")
+        old = self._results.get(rid)
+        if old is not None and (not old.finished or old.waiter):
+            raise ValueError(f"request id {rid!r} is already in use by an unfinished request")
+        self._results.pop(rid, None)
+        self._results[rid] = ReqState(waiter=waiter, stream=stream)
+        self._forget_old_results()
+        return rid
+
+    def _forget_old_results(self) -> None:
+        """submit() callers may never read a result: keep the newest MAX_KEPT_RESULTS."""
+        excess = len(self._results) - MAX_KEPT_RESULTS
+        for rid in [r for r, st in self._results.items() if st.finished and not st.waiter][:max(0, excess)]:
+            del self._results[rid]
 
     def step(self) -> list[BatchStrOut]:
         """Run exactly one scheduler iteration; what the requests produced in it."""
@@ -110,12 +120,9 @@ class Engine:
                 raise
             outputs, self._outputs = self._outputs, []
             for out in outputs:
-                state = self._results.setdefault(out.rid, ReqState())
-                state.text += out.new_text
-                state.output_ids += out.new_token_ids
-                if out.finished:
-                    state.finished = True
-                    state.meta_info = out.meta_info
+                state = self._results.get(out.rid)
+                if state is not None:  # None: its caller stopped reading and dropped it
+                    state.add(out)
             return outputs
 
     def _detokenize(self, out: BatchTokenIDOut) -> None:
@@ -130,62 +137,72 @@ class Engine:
     # --- generate ---------------------------------------------------------------------
 
     def generate(self, prompt: Prompt = None, sampling_params: dict | list[dict] | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None, messages: list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, messages: list | None = None,
                  stream: bool = False, rid: str | list[str] | None = None) -> Any:
         """Returns a dict (or a list of dicts for a batch) with text, output_ids and
-        meta_info; with stream=True, an iterator of increments."""
-        is_batch = isinstance(prompt, list) or (
-            isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list))
-        n = len(prompt) if isinstance(prompt, list) else len(input_ids) if is_batch else 1  # type: ignore[arg-type]
+        meta_info; with stream=True, an iterator of increments. A batch is a list of
+        prompts, of input_ids lists, or of chats (lists of messages)."""
+        reqs, is_batch = _split_batch(prompt, input_ids, messages)
+        n = len(reqs)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
-        if len(params) != n:
-            raise ValueError(f"{len(params)} sampling_params for {n} prompts")
-        rids_in = rid if isinstance(rid, list) else [rid] * n if n == 1 else [None] * n
-        rids = []
-        for i in range(n):
-            p = prompt[i] if isinstance(prompt, list) else prompt
-            ids = input_ids[i] if is_batch and input_ids is not None else (None if is_batch else input_ids)
-            rids.append(self.submit(p, input_ids=ids, messages=messages, sampling_params=params[i],
-                                    rid=rids_in[i], stream=stream))
+        rids = rid if isinstance(rid, list) else [rid] * n if not is_batch else [None] * n
+        if len(params) != n or len(rids) != n:
+            raise ValueError(f"{n} prompts need as many sampling_params and rids (got {len(params)}, {len(rids)})")
+        named = [r for r in rids if r is not None]
+        if len(set(named)) != len(named):
+            raise ValueError("the rids of one batch must differ")
+        with self._lock:  # all rids claimed, or none
+            busy = [r for r in named if r in self._results and (not self._results[r].finished or self._results[r].waiter)]
+            if busy:
+                raise ValueError(f"request id {busy[0]!r} is already in use by an unfinished request")
+            rids = [self.submit(**req, sampling_params=p, rid=r, stream=stream, _waiter=True)
+                    for req, p, r in zip(reqs, params, rids)]
         if stream:
             return self._stream(rids, is_batch)
-        self._run_until_finished(rids)
-        results = [self.result(r) for r in rids]
-        for r in rids:
-            self._results.pop(r, None)
+        try:
+            self._run_until_finished(rids)
+            results = [self._results[r].to_dict() for r in rids]
+        finally:
+            self._drop(rids)
         return results if is_batch else results[0]
 
     def _run_until_finished(self, rids: list[str]) -> None:
-        while not all(self.is_finished(r) for r in rids):
-            had_work = self.scheduler.has_work()
-            self.step()
-            if not had_work and not all(self.is_finished(r) for r in rids):
-                raise RuntimeError("scheduler went idle with unfinished requests: " + ", ".join(
-                    r for r in rids if not self.is_finished(r)))
+        while True:
+            with self._lock:
+                if all(self._results[r].finished for r in rids):
+                    return
+                had_work = self.scheduler.has_work()
+                self.step()
+                if not had_work and not all(self._results[r].finished for r in rids):
+                    raise RuntimeError("scheduler went idle with unfinished requests: " + ", ".join(
+                        r for r in rids if not self._results[r].finished))
 
     def _stream(self, rids: list[str], is_batch: bool) -> Iterator[dict[str, Any]]:
         pending = set(rids)
+        index = {r: i for i, r in enumerate(rids)}
         try:
             while pending:
-                had_work = self.scheduler.has_work()
-                for out in self.step():
-                    if out.rid in pending:
-                        chunk = {"text": out.new_text, "output_ids": out.new_token_ids,
-                                 "finished": out.finished, "meta_info": out.meta_info}
-                        if is_batch:
-                            chunk["index"] = rids.index(out.rid)
-                        if out.finished:
-                            pending.discard(out.rid)
-                            if "error" in out.meta_info:
-                                chunk["error"] = out.meta_info["error"]
-                        yield chunk
-                if not had_work and pending:
-                    raise RuntimeError("scheduler went idle with unfinished requests")
+                with self._lock:
+                    outs = [(r, self._results[r].pending.popleft()) for r in rids
+                            if r in pending and self._results[r].pending]
+                    if not outs:
+                        had_work = self.scheduler.has_work()
+                        self.step()
+                        if not had_work and not any(self._results[r].pending for r in pending):
+                            raise RuntimeError("scheduler went idle with unfinished requests")
+                for r, out in outs:
+                    if out.finished:
+                        pending.discard(r)
+                    yield _chunk(out, index[r] if is_batch else None)
         finally:
+            self._drop(rids)
             for r in pending:  # the caller stopped reading: free what they hold
                 self.abort(r)
             if pending:
                 self.step()
+
+    def _drop(self, rids: list[str]) -> None:
+        with self._lock:
             for r in rids:
                 self._results.pop(r, None)
 
@@ -233,3 +250,24 @@ def _setup_logging(level: str) -> None:
         handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S"))
         logger.addHandler(handler)
     logger.setLevel(level.upper())
+
+
+def _split_batch(prompt: Any, input_ids: Any, messages: Any) -> tuple[list[dict[str, Any]], bool]:
+    """One request's inputs per batch entry, and whether a batch was given."""
+    if isinstance(prompt, list):
+        return [{"prompt": p} for p in prompt], True
+    if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
+        return [{"input_ids": ids} for ids in input_ids], True
+    if isinstance(messages, list) and messages and isinstance(messages[0], list):
+        return [{"messages": m} for m in messages], True
+    return [{"prompt": prompt, "input_ids": input_ids, "messages": messages}], False
+
+
+def _chunk(out: BatchStrOut, index: int | None) -> dict[str, Any]:
+    chunk = {"text": out.new_text, "output_ids": out.new_token_ids, "finished": out.finished,
+             "meta_info": out.meta_info}
+    if index is not None:
+        chunk["index"] = index
+    if out.finished and "error" in out.meta_info:
+        chunk["error"] = out.meta_info["error"]
+    return chunk

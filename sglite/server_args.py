@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,9 +43,9 @@ class ServerArgs:
         None, "run event_loop_normal: plan the next round only after this round's tokens are back. Default: "
               "event_loop_overlap (plan round N+1 while round N's forward runs) on CUDA, and on a CPU where "
               "decode forwards run as one C++ call that leaves the GIL (the cpu attention backend with the CPU "
-              "graph: 1.44x on tiny-random, 1.03x on smollm2); event_loop_normal on a CPU with torch_native or "
-              "triton or --disable-cpu-graph, whose forwards take turns with the scheduler on the GIL (0.5x "
-              "measured on smollm2); --enable-overlap-schedule runs it anyway",
+              "graph); event_loop_normal on a CPU with torch_native or triton or --disable-cpu-graph, whose "
+              "forwards take turns with the scheduler on the GIL (docs/scheduler.md has the measurements); "
+              "--enable-overlap-schedule runs it anyway",
         negative="--enable-overlap-schedule")
     random_seed: int = _opt(42, "seed for requests that bring no seed of their own")
     waiting_timeout: float | None = _opt(None, "abort a request that waits longer than this many seconds")
@@ -63,25 +65,56 @@ class ServerArgs:
     # observability
     decode_log_interval: int = _opt(40, "log a 'Decode batch.' line every N decode rounds")
     log_level: str = _opt("warning", "logging level of the sglite logger", choices=("debug", "info", "warning", "error"))
-    enable_self_check: bool = _opt(True, "check every KV slot is accounted for when idle")
+    enable_self_check: bool = _opt(False, "when idle, also walk every KV page (free, cached, or held; never two) on "
+                                   "top of the O(1) accounting check that always runs; slow on a big pool")
+    enable_busy_self_check: bool = _opt(False, "walk every KV page after every iteration, not only when idle "
+                                        "(SGLang's busy check; for debugging)")
 
     def __post_init__(self) -> None:
+        self._check_types()
+        self._check_ranges()
         if self.disable_overlap_schedule is None:
             # the overlap loop pays where the forward leaves the scheduler's thread free: on
             # a GPU, or on a CPU as the CPU graph's one GIL-free call
             self.disable_overlap_schedule = not (_on_cuda(self.device) or self._cpu_graph_expected())
         if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
             self.chunked_prefill_size = None
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}; got {self.schedule_policy!r}")
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size % self.page_size:
             raise ValueError("chunked_prefill_size must be a multiple of page_size")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
-        if self.max_total_tokens is not None and self.max_total_tokens <= 0:
-            raise ValueError("max_total_tokens must be positive")
+
+    def _check_types(self) -> None:
+        """Each field holds what its annotation says (ints are not bools, floats are finite)."""
+        for f in dataclasses.fields(self):
+            v, typ = getattr(self, f.name), str(f.type)
+            if v is None and "None" in typ:
+                continue
+            base = typ.split("|")[0].strip()
+            ok = {"int": isinstance(v, int) and not isinstance(v, bool),
+                  "float": isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+                  "bool": isinstance(v, bool), "str": isinstance(v, str)}[base]
+            if not ok:
+                kind = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string"}[base]
+                raise ValueError(f"{f.name} must be {kind}, got {v!r}")
+            if "choices" in f.metadata and v not in f.metadata["choices"]:
+                raise ValueError(f"{f.name} must be one of {', '.join(f.metadata['choices'])}; got {v!r}")
+
+    def _check_ranges(self) -> None:
+        positive = {"context_length": self.context_length, "max_total_tokens": self.max_total_tokens,
+                    "max_running_requests": self.max_running_requests, "max_prefill_tokens": self.max_prefill_tokens,
+                    "decode_log_interval": self.decode_log_interval, "cuda_graph_max_bs": self.cuda_graph_max_bs,
+                    "page_size": self.page_size, "schedule_conservativeness": self.schedule_conservativeness,
+                    "waiting_timeout": self.waiting_timeout, "running_timeout": self.running_timeout}
+        for name, v in positive.items():
+            if v is not None and v <= 0:
+                raise ValueError(f"{name} must be positive, got {v}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+        if not 0 <= self.random_seed < 1 << 63:
+            raise ValueError(f"random_seed must be in [0, 2**63), got {self.random_seed}")
+        if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
 
     def _cpu_graph_expected(self) -> bool:
         """Whether decode forwards on a CPU will run as the CPU graph (the cpu backend, float32).

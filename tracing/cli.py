@@ -54,9 +54,13 @@ def _convert(args: argparse.Namespace) -> int:
         print(f"error: {args.recording}: no such file", file=sys.stderr)
         return 1
     try:
-        n = write_chrome_trace(load_events(args.recording), args.out, args.trace_level)
+        events = list(load_events(args.recording))
+        n = write_chrome_trace(events, args.out, args.trace_level) if events else 0
     except (ValueError, KeyError, TypeError) as e:
         print(f"error: {args.recording}: not an sglite event recording ({e})", file=sys.stderr)
+        return 1
+    if not events:
+        print(f"error: {args.recording}: no events in it (record one with --record)", file=sys.stderr)
         return 1
     print(f"wrote {n} trace events to {args.out} (open it in https://ui.perfetto.dev)")
     return 0

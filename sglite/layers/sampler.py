@@ -19,9 +19,9 @@ class Sampler(nn.Module):
             probs, sampling_info.top_ks, sampling_info.top_ps,
             sampling_info.min_ps if sampling_info.need_min_p_sampling else None,
         )
-        # One uniform draw per row from the request's own generator: a seeded request
-        # samples the same tokens whatever else is in the batch.
-        u = torch.cat([torch.rand(1, generator=g) for g in sampling_info.generators]).to(probs.device)
+        # One uniform draw per row, a function of the request's seed and the position of
+        # the token it samples: the same tokens whatever else is in the batch.
+        u = sampling_info.uniforms.to(probs.dtype)
         cdf = torch.cumsum(probs, dim=-1)
         ids = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
         ids = ids.clamp_(max=probs.shape[-1] - 1)

@@ -99,9 +99,9 @@ class Req:
         self.eos_token_ids = eos_token_ids or set()
         self.stream = stream
         self.tokenizer = tokenizer  # decodes the output's tail to check stop strings
-        self.sampling_generator = torch.Generator().manual_seed(
-            sampling_params.seed if sampling_params.seed is not None else seed
-        )
+        # the random draw for output token n depends only on (sampling_seed, n): a seeded
+        # request samples the same tokens however it is batched, chunked or retracted
+        self.sampling_seed = sampling_params.seed if sampling_params.seed is not None else seed
 
         # memory
         self.req_pool_idx: int | None = None

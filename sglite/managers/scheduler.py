@@ -129,7 +129,7 @@ class Scheduler:
             else:
                 self.self_check_during_idle()
             self.last_batch = batch
-            self.observer.on_iteration_end(batch)
+            self._end_iteration(batch)
             yield
 
     def event_loop_overlap(self) -> Iterator[None]:
@@ -148,12 +148,17 @@ class Scheduler:
             elif batch is None:
                 self.self_check_during_idle()
             self.last_batch = batch
-            self.observer.on_iteration_end(batch)
+            self._end_iteration(batch)
             yield
 
     def _begin_iteration(self) -> None:
         self.iteration += 1
         self.observer.on_iteration_start()
+
+    def _end_iteration(self, batch: ScheduleBatch | None) -> None:
+        if self.server_args.enable_busy_self_check:
+            self.runtime_checker.self_check_during_busy()
+        self.observer.on_iteration_end(batch)
 
     # --- 1. receive -------------------------------------------------------------------
 
@@ -177,24 +182,12 @@ class Scheduler:
                 self.handle_generate_request(item)
 
     def _validate(self, recv_req: TokenizedGenerateReqInput) -> str | None:
+        """The TokenizerManager checked every field; what only the scheduler can see is
+        whether the rid is taken."""
         if recv_req.error:
             return recv_req.error
         if any(r.rid == recv_req.rid for r in self.live_reqs()):
             return f"request id {recv_req.rid!r} is already in use by an unfinished request"
-        ids = recv_req.input_ids
-        if not ids:
-            return "the prompt is empty"
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            return f"token id {bad} is outside the vocabulary (0..{vocab - 1})"
-        if len(ids) > self.max_req_input_len:
-            return (f"the prompt has {len(ids)} tokens; at most {self.max_req_input_len} fit (context length "
-                    f"{self.tp_worker.model_runner.context_len}, KV pool {self.max_total_num_tokens} tokens)")
-        try:
-            recv_req.sampling_params.verify(vocab)
-        except ValueError as e:
-            return str(e)
         return None
 
     def handle_generate_request(self, recv_req: TokenizedGenerateReqInput) -> None:
@@ -439,12 +432,11 @@ class Scheduler:
 
     def self_check_during_idle(self) -> None:
         """Nothing ran this round: with no request left, reset the reservation ratio and
-        check every KV slot is accounted for."""
+        check every KV slot is accounted for (the page-by-page walk with --enable-self-check)."""
         if self.live_reqs():
             return
         self.new_token_ratio = self.init_new_token_ratio
-        if self.server_args.enable_self_check:
-            self.runtime_checker.self_check_during_idle()
+        self.runtime_checker.self_check_during_idle(full=self.server_args.enable_self_check)
 
     # --- control ----------------------------------------------------------------------
 

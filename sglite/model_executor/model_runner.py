@@ -13,7 +13,7 @@ from sglite.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglite.layers.custom_op import set_custom_op_impl
 from sglite.layers.rotary_embedding import RotaryEmbedding
 from sglite.layers.sampler import Sampler
-from sglite.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from sglite.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator, page_align_down
 from sglite.model_executor.forward_batch_info import ForwardBatch
 from sglite.models.llama import LlamaForCausalLM
 from sglite.server_args import ServerArgs, resolve_device
@@ -21,6 +21,14 @@ from sglite.server_args import ServerArgs, resolve_device
 logger = logging.getLogger("sglite")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the KV pool's share of the memory left after the weights (--mem-fraction-static);
+# SGLang's GPU default is about 0.88; on a CPU the pool shares RAM with everything else
+DEFAULT_MEM_FRACTION_CUDA = 0.88
+DEFAULT_MEM_FRACTION_CPU = 0.1
+FALLBACK_AVAILABLE_MEMORY = 8 << 30  # bytes, when /proc/meminfo cannot be read
+# SGLang sizes max_running_requests from GPU memory; on a CPU a few hundred is plenty
+DEFAULT_MAX_RUNNING_REQUESTS_CAP = 256
+REQ_TO_TOKEN_EXTRA_COLUMNS = 4  # req_to_token rows are a little longer than the context
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
@@ -77,7 +85,7 @@ def _available_memory_bytes(device: str) -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 8 << 30
+    return FALLBACK_AVAILABLE_MEMORY
 
 
 class ModelRunner:
@@ -160,25 +168,24 @@ class ModelRunner:
         avail = _available_memory_bytes(self.device)
         frac = self.server_args.mem_fraction_static
         if self.device.startswith("cuda"):
-            budget = avail * (frac if frac is not None else 0.88)
+            budget = avail * (frac if frac is not None else DEFAULT_MEM_FRACTION_CUDA)
         else:
             # weights already sit in RAM; give the KV pool a modest share of what is left
-            budget = avail * (frac if frac is not None else 0.1)
+            budget = avail * (frac if frac is not None else DEFAULT_MEM_FRACTION_CPU)
         return int(budget // cell)
 
     def init_memory_pool(self) -> None:
         sa = self.server_args
         c = self.model_config
         max_total = sa.max_total_tokens or self.profile_max_num_token()
-        max_total = max(sa.page_size, max_total // sa.page_size * sa.page_size)
+        max_total = max(sa.page_size, page_align_down(max_total, sa.page_size))
         self.max_total_num_tokens = max_total
-        # SGLang sizes this from GPU memory; on a CPU a few hundred concurrent requests is plenty
-        max_reqs = sa.max_running_requests or max(1, min(256, max_total // 2))
+        max_reqs = sa.max_running_requests or max(1, min(DEFAULT_MAX_RUNNING_REQUESTS_CAP, max_total // 2))
         self.max_running_requests = max_reqs
         # +1 row so a retracted-and-readmitted request always finds a slot; the overlap
         # loop holds freed rows back until the forward reading them is done, so twice that
         rows = (max_reqs + 1) * (1 if sa.disable_overlap_schedule else 2)
-        self.req_to_token_pool = ReqToTokenPool(rows, self.context_len + 4, self.device)
+        self.req_to_token_pool = ReqToTokenPool(rows, self.context_len + REQ_TO_TOKEN_EXTRA_COLUMNS, self.device)
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_total, sa.page_size, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
             max_total, sa.page_size, self.dtype, c.num_key_value_heads, c.head_dim, c.num_hidden_layers, self.device

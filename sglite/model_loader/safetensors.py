@@ -33,9 +33,14 @@ def load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], To
         except Exception as e:
             raise ModelLoadError(f"{f}: unreadable safetensors file ({e})") from None
     tk_cfg = {}
-    if (path / "tokenizer_config.json").is_file():
-        tk_cfg = json.loads((path / "tokenizer_config.json").read_text())
-    hf_tk = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    try:
+        if (path / "tokenizer_config.json").is_file():
+            tk_cfg = json.loads((path / "tokenizer_config.json").read_text())
+        hf_tk = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception as e:  # the tokenizers library raises a bare Exception on a bad file
+        raise ModelLoadError(f"{path}: unreadable tokenizer files ({' '.join(str(e).split())})") from None
+    if not isinstance(tk_cfg, dict):
+        raise ModelLoadError(f"{path}/tokenizer_config.json: expected a JSON object")
 
     def token_id(key: str) -> int | None:
         tok = tk_cfg.get(key)

@@ -16,6 +16,20 @@ if TYPE_CHECKING:
     from sglite.managers.schedule_batch import Req
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def uniform_draw(seed: int, position: int) -> float:
+    """A uniform number in [0, 1) from (seed, position) alone: splitmix64 of the pair,
+    53 bits. Counter-based, so a draw never depends on how many draws came before (a
+    dropped chunk row, a retracted round, another batch)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) / float(1 << 53)
+
+
 @dataclass
 class SamplingBatchInfo:
     temperatures: torch.Tensor  # [bs, 1]
@@ -24,7 +38,7 @@ class SamplingBatchInfo:
     min_ps: torch.Tensor
     is_all_greedy: bool
     need_min_p_sampling: bool
-    generators: list[torch.Generator]
+    uniforms: torch.Tensor  # [bs] one draw in [0, 1) per row: (seed, output position) hashed
     # penalties, None when no request in the batch uses any
     frequency_penalties: torch.Tensor | None = None
     presence_penalties: torch.Tensor | None = None
@@ -46,7 +60,8 @@ class SamplingBatchInfo:
             min_ps=col([p.min_p for p in params], torch.float32),
             is_all_greedy=all(p.is_greedy for p in params),
             need_min_p_sampling=any(p.min_p > 0 for p in params),
-            generators=[r.sampling_generator for r in reqs],
+            uniforms=torch.tensor([uniform_draw(r.sampling_seed, r.seqlen - len(r.origin_input_ids)) for r in reqs],
+                                  dtype=torch.float64).to(device),
         )
         if any(p.has_penalties for p in params):
             bs = len(reqs)

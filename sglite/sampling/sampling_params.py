@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -32,16 +33,45 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
-        d = dict(d or {})
+        """Raises ValueError naming the field for an unknown key or a value of the wrong
+        type (ranges are ``verify``'s, which needs the vocabulary size)."""
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling_params must be a dict, got {type(d).__name__}")
         known = {f.name for f in fields(cls)} - {"stop_strs"}
         unknown = set(d) - known
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
-        return cls(**d)
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(map(str, unknown)))}")
+        params = cls(**d)
+        params.check_types()
+        return params
+
+    def check_types(self) -> None:
+        """Every field has its type: ints are ints (not bools or floats), floats are
+        finite numbers, flags are bools, stop is a str or a list of non-empty strs."""
+        for name in ("max_new_tokens", "top_k"):
+            _need_int(name, getattr(self, name))
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+            _need_finite(name, getattr(self, name))
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.seed is not None:
+            _need_int("seed", self.seed)
+            if not 0 <= self.seed < 1 << 64:
+                raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stops is not None and (not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops)):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        ids = self.stop_token_ids
+        if ids is not None and (not isinstance(ids, list) or not all(_is_int(t) for t in ids)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}")
 
     def verify(self, vocab_size: int) -> None:
         """Raise ValueError with a one-line reason for a request that cannot run."""
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+        self.check_types()
+        if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -66,8 +96,8 @@ class SamplingParams:
         if self.temperature < _GREEDY_EPS:
             self.temperature = 1.0
             self.top_k = 1
-        if self.top_k == -1:
-            self.top_k = TOP_K_ALL
+        if self.top_k == -1 or self.top_k > TOP_K_ALL:
+            self.top_k = TOP_K_ALL  # more than the vocabulary is all of it
         stop = self.stop
         self.stop_strs = [stop] if isinstance(stop, str) else list(stop or [])
 
@@ -78,3 +108,17 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _need_int(name: str, v: Any) -> None:
+    if not _is_int(v):
+        raise ValueError(f"{name} must be an integer, got {v!r}")
+
+
+def _need_finite(name: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite number, got {v!r}")

@@ -19,6 +19,7 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 def make_engine(overlap: bool = True, **kw) -> Engine:
     kw.setdefault("max_total_tokens", 2048)
     kw.setdefault("max_running_requests", 64)
+    kw.setdefault("enable_self_check", True)  # the idle rounds walk every page
     return Engine("tiny-random", disable_overlap_schedule=not overlap, **kw)
 
 

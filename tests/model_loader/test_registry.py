@@ -46,6 +46,16 @@ def test_hf_folder_missing_pieces(tmp_path):
         load_model(str(tmp_path))
 
 
+def test_hf_folder_with_a_garbage_tokenizer_is_one_line(tmp_path):
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("garbage{")
+    with pytest.raises(ModelLoadError, match="unreadable tokenizer files") as err:
+        load_model(str(tmp_path))
+    assert "\n" not in str(err.value)
+
+
 def test_known_models():
     assert set(KNOWN_MODELS) == {"smollm2-135m", "tiny-random"}
 

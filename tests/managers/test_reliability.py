@@ -1,0 +1,219 @@
+"""Bad input never breaks the engine (docs/reliability.md). Every case of BAD_REQUESTS
+comes back at once as that request's one-line error (finish_reason abort) while a good
+request in the same batch runs on; BAD_SERVER_ARGS fail Engine construction with a
+ValueError naming the argument; rids, streams and seeds hold under interleaving."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+
+from sglite.engine import Engine
+
+GOOD = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+# (what was tried, generate() keyword arguments, a fragment of the error it gets)
+BAD_REQUESTS: list[tuple[str, dict, str]] = [
+    ("stop holds an int", {"prompt": "hi", "sampling_params": {"stop": [5]}}, "stop must be"),
+    ("stop holds None", {"prompt": "hi", "sampling_params": {"stop": [None]}}, "stop must be"),
+    ("stop is an int", {"prompt": "hi", "sampling_params": {"stop": 5}}, "stop must be"),
+    ("stop is an empty string", {"prompt": "hi", "sampling_params": {"stop": ""}}, "stop must be"),
+    ("stop is a dict", {"prompt": "hi", "sampling_params": {"stop": {"a": 1}}}, "stop must be"),
+    ("stop_token_ids is a string", {"prompt": "hi", "sampling_params": {"stop_token_ids": "abc"}}, "stop_token_ids must be"),
+    ("stop_token_ids holds a float", {"prompt": "hi", "sampling_params": {"stop_token_ids": [1.5]}}, "stop_token_ids must be"),
+    ("stop_token_ids outside the vocabulary", {"prompt": "hi", "sampling_params": {"stop_token_ids": [10**9]}}, "outside the vocabulary"),
+    ("stop_token_ids negative", {"prompt": "hi", "sampling_params": {"stop_token_ids": [-1]}}, "outside the vocabulary"),
+    ("temperature is a string", {"prompt": "hi", "sampling_params": {"temperature": "hot"}}, "temperature must be a finite number"),
+    ("temperature is NaN", {"prompt": "hi", "sampling_params": {"temperature": math.nan}}, "temperature must be a finite number"),
+    ("temperature is inf", {"prompt": "hi", "sampling_params": {"temperature": math.inf}}, "temperature must be a finite number"),
+    ("temperature negative", {"prompt": "hi", "sampling_params": {"temperature": -1}}, "temperature must be >= 0"),
+    ("temperature is a bool", {"prompt": "hi", "sampling_params": {"temperature": True}}, "temperature must be a finite number"),
+    ("top_p is 0", {"prompt": "hi", "sampling_params": {"top_p": 0}}, "top_p must be in"),
+    ("top_p above 1", {"prompt": "hi", "sampling_params": {"top_p": 1.5}}, "top_p must be in"),
+    ("top_p is NaN", {"prompt": "hi", "sampling_params": {"top_p": math.nan}}, "top_p must be a finite number"),
+    ("top_k is a float", {"prompt": "hi", "sampling_params": {"top_k": 2.5}}, "top_k must be an integer"),
+    ("top_k is 0", {"prompt": "hi", "sampling_params": {"top_k": 0}}, "top_k must be -1"),
+    ("top_k is -5", {"prompt": "hi", "sampling_params": {"top_k": -5}}, "top_k must be -1"),
+    ("top_k is a string", {"prompt": "hi", "sampling_params": {"top_k": "5"}}, "top_k must be an integer"),
+    ("min_p above 1", {"prompt": "hi", "sampling_params": {"min_p": 2}}, "min_p must be in"),
+    ("min_p is -inf", {"prompt": "hi", "sampling_params": {"min_p": -math.inf}}, "min_p must be a finite number"),
+    ("presence_penalty is a string", {"prompt": "hi", "sampling_params": {"presence_penalty": "x"}}, "presence_penalty must be a finite number"),
+    ("presence_penalty out of range", {"prompt": "hi", "sampling_params": {"presence_penalty": 3}}, "presence_penalty must be in"),
+    ("frequency_penalty out of range", {"prompt": "hi", "sampling_params": {"frequency_penalty": -2.5}}, "frequency_penalty must be in"),
+    ("repetition_penalty is 0", {"prompt": "hi", "sampling_params": {"repetition_penalty": 0}}, "repetition_penalty must be in"),
+    ("repetition_penalty is NaN", {"prompt": "hi", "sampling_params": {"repetition_penalty": math.nan}}, "repetition_penalty must be a finite number"),
+    ("max_new_tokens is 0", {"prompt": "hi", "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens must be a positive"),
+    ("max_new_tokens negative", {"prompt": "hi", "sampling_params": {"max_new_tokens": -3}}, "max_new_tokens must be a positive"),
+    ("max_new_tokens is True", {"prompt": "hi", "sampling_params": {"max_new_tokens": True}}, "max_new_tokens must be an integer"),
+    ("max_new_tokens is a float", {"prompt": "hi", "sampling_params": {"max_new_tokens": 4.0}}, "max_new_tokens must be an integer"),
+    ("max_new_tokens is a string", {"prompt": "hi", "sampling_params": {"max_new_tokens": "4"}}, "max_new_tokens must be an integer"),
+    ("seed is a string", {"prompt": "hi", "sampling_params": {"seed": "abc"}}, "seed must be an integer"),
+    ("seed is 2**70", {"prompt": "hi", "sampling_params": {"seed": 2**70}}, "seed must be in"),
+    ("seed negative", {"prompt": "hi", "sampling_params": {"seed": -1}}, "seed must be in"),
+    ("ignore_eos is a string", {"prompt": "hi", "sampling_params": {"ignore_eos": "yes"}}, "ignore_eos must be true or false"),
+    ("skip_special_tokens is 1", {"prompt": "hi", "sampling_params": {"skip_special_tokens": 1}}, "skip_special_tokens must be"),
+    ("no_stop_trim is None", {"prompt": "hi", "sampling_params": {"no_stop_trim": None}}, "no_stop_trim must be"),
+    ("an unknown sampling parameter", {"prompt": "hi", "sampling_params": {"bogus": 1}}, "unknown sampling parameter"),
+    ("sampling_params is a list", {"prompt": "hi", "sampling_params": [[1]]}, "sampling_params must be a dict"),
+    ("sampling_params is a string", {"prompt": "hi", "sampling_params": "greedy"}, "sampling_params must be a dict"),
+    ("an empty prompt", {"prompt": ""}, "the prompt is empty"),
+    ("no prompt at all", {}, "give a prompt"),
+    ("a prompt and input_ids", {"prompt": "hi", "input_ids": [1, 2]}, "give only one"),
+    ("the prompt is an int", {"prompt": 5}, "the prompt must be a string"),
+    ("the prompt is bytes", {"prompt": b"hi"}, "the prompt must be a string"),
+    ("empty input_ids", {"input_ids": []}, "the prompt is empty"),
+    ("input_ids holds a float", {"input_ids": [1.7]}, "input_ids must be integers"),
+    ("input_ids holds a bool", {"input_ids": [True, 3]}, "input_ids must be integers"),
+    ("input_ids holds a string", {"input_ids": ["3"]}, "input_ids must be integers"),
+    ("input_ids is a string", {"input_ids": "3 4 5"}, "input_ids must be a list"),
+    ("input_ids outside the vocabulary", {"input_ids": [10**9]}, "outside the vocabulary"),
+    ("input_ids negative", {"input_ids": [-1, 3]}, "outside the vocabulary"),
+    ("a prompt longer than the context", {"input_ids": [3] * 5000}, "tokens; at most"),
+    ("messages is a string", {"messages": "hi"}, "messages must be"),
+    ("messages is empty", {"messages": []}, "messages must be"),
+    ("a message without content", {"messages": [{"role": "user"}]}, "each message must be"),
+    ("a message whose content is a list", {"messages": [{"role": "user", "content": ["x"]}]}, "each message must be"),
+    ("a message that is a string", {"messages": ["hello"]}, "each message must be"),
+]
+
+# (what was tried, Engine keyword arguments, a fragment of the ValueError)
+BAD_SERVER_ARGS: list[tuple[str, dict, str]] = [
+    ("max_running_requests=-1", {"max_running_requests": -1}, "max_running_requests must be positive"),
+    ("max_running_requests=0", {"max_running_requests": 0}, "max_running_requests must be positive"),
+    ("max_prefill_tokens=0", {"max_prefill_tokens": 0}, "max_prefill_tokens must be positive"),
+    ("max_prefill_tokens=-1", {"max_prefill_tokens": -1}, "max_prefill_tokens must be positive"),
+    ("decode_log_interval=0", {"decode_log_interval": 0}, "decode_log_interval must be positive"),
+    ("context_length=-5", {"context_length": -5}, "context_length must be positive"),
+    ("device='tpu'", {"device": "tpu"}, "device must be"),
+    ("max_total_tokens=0", {"max_total_tokens": 0}, "max_total_tokens must be positive"),
+    ("max_total_tokens='big'", {"max_total_tokens": "big"}, "max_total_tokens must be an integer"),
+    ("page_size=0", {"page_size": 0}, "page_size must be positive"),
+    ("mem_fraction_static=1.5", {"mem_fraction_static": 1.5}, "mem_fraction_static must be in"),
+    ("schedule_conservativeness=nan", {"schedule_conservativeness": math.nan}, "schedule_conservativeness must be a finite"),
+    ("schedule_policy='sjf'", {"schedule_policy": "sjf"}, "schedule_policy must be one of"),
+    ("dtype='int8'", {"dtype": "int8"}, "dtype must be one of"),
+    ("random_seed=-1", {"random_seed": -1}, "random_seed must be in"),
+    ("waiting_timeout=0", {"waiting_timeout": 0}, "waiting_timeout must be positive"),
+    ("enable_mixed_chunk='yes'", {"enable_mixed_chunk": "yes"}, "enable_mixed_chunk must be true or false"),
+    ("an unknown server argument", {"max_batch": 4}, "unknown server argument"),
+]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = Engine("tiny-random", max_total_tokens=2048, max_running_requests=16, enable_self_check=True)
+    yield e
+    e.shutdown()
+
+
+@pytest.mark.parametrize("what,kwargs,message", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_a_bad_request_gets_its_error_and_its_batch_mate_runs(engine, what, kwargs, message):
+    alone = engine.generate(input_ids=[5, 6, 7], sampling_params=GOOD)
+    bad = {"prompt": None, "input_ids": None, "messages": None, "sampling_params": GOOD, **kwargs}
+    rid_bad = engine.submit(bad["prompt"], input_ids=bad["input_ids"], messages=bad["messages"],
+                            sampling_params=bad["sampling_params"])
+    good = engine.generate(input_ids=[5, 6, 7], sampling_params=GOOD)
+    assert engine.is_finished(rid_bad)
+    res = engine.result(rid_bad)
+    assert message in res["error"] and "\n" not in res["error"], res["error"]
+    assert res["meta_info"]["finish_reason"]["type"] == "abort" and res["output_ids"] == []
+    assert good["output_ids"] == alone["output_ids"]
+    engine.step()  # idle: the page walk finds nothing leaked
+
+
+@pytest.mark.parametrize("what,kwargs,message", BAD_SERVER_ARGS, ids=[c[0] for c in BAD_SERVER_ARGS])
+def test_bad_server_args_are_a_clear_error(what, kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(")):
+        Engine("tiny-random", **kwargs)
+
+
+def test_huge_top_k_means_all_tokens_and_leaks_nothing(engine):
+    params = {"max_new_tokens": 4, "top_k": 2**63, "seed": 3, "ignore_eos": True}
+    out = engine.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params=[params, GOOD])
+    assert all("error" not in o and len(o["output_ids"]) == 4 for o in out)
+    assert out[0]["output_ids"] == engine.generate(input_ids=[5, 6, 7], sampling_params={**params, "top_k": -1})["output_ids"]
+    engine.step()
+
+
+def test_duplicate_rids_are_refused_before_anything_is_queued(engine):
+    with pytest.raises(ValueError, match="must differ"):
+        engine.generate(input_ids=[[5, 6], [7, 8]], sampling_params=GOOD, rid=["same", "same"])
+    with pytest.raises(ValueError, match="as many sampling_params and rids"):
+        engine.generate(input_ids=[[5, 6], [7, 8]], sampling_params=GOOD, rid=["only-one"])
+    assert not engine.scheduler.has_work()
+    stream = engine.generate(input_ids=[5, 6, 7], sampling_params=GOOD, rid="busy", stream=True)
+    next(stream)
+    with pytest.raises(ValueError, match="'busy' is already in use"):
+        engine.generate(input_ids=[8, 9], sampling_params=GOOD, rid="busy")
+    rest = list(stream)
+    assert rest[-1]["finished"]
+    assert "error" not in engine.generate(input_ids=[8, 9], sampling_params=GOOD, rid="busy")  # free again
+
+
+def test_streams_and_generate_interleave_in_one_thread(engine):
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    want_a = engine.generate(input_ids=[5, 6, 7], sampling_params=params)["output_ids"]
+    want_b = engine.generate(input_ids=[9, 10], sampling_params=params)["output_ids"]
+    a = engine.generate(input_ids=[5, 6, 7], sampling_params=params, stream=True)
+    b = engine.generate(input_ids=[9, 10], sampling_params=params, stream=True)
+    got_a, got_b = list(next(a)["output_ids"]), list(next(b)["output_ids"])
+    mid = engine.generate(input_ids=[5, 6, 7], sampling_params=params)  # while both streams are open
+    for chunk_a, chunk_b in zip(a, b):
+        got_a += chunk_a["output_ids"]
+        got_b += chunk_b["output_ids"]
+    got_a += [t for c in a for t in c["output_ids"]]
+    got_b += [t for c in b for t in c["output_ids"]]
+    assert (got_a, got_b, mid["output_ids"]) == (want_a, want_b, want_a)
+
+
+def test_four_threads_of_streams_lose_nothing(engine):
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    prompts = [[3 + (i % 7), 4 + (i % 5), 5] for i in range(8)]
+    want = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    errors: list[str] = []
+
+    def worker(k: int) -> None:
+        for j in range(30):
+            i = (k + j) % len(prompts)
+            got = [t for c in engine.generate(input_ids=prompts[i], sampling_params=params, stream=True)
+                   for t in c["output_ids"]]
+            if got != want[i]:
+                errors.append(f"thread {k} request {j}: {got} != {want[i]}")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors and not any(t.is_alive() for t in threads)
+
+
+def test_seeded_sampling_does_not_depend_on_chunking_or_batching():
+    prompts = [[3 + (i * 7 + j) % 40 for j in range(5 + i % 30)] for i in range(60)]
+    params = [{"max_new_tokens": 6, "temperature": 1.0, "seed": 1000 + i, "ignore_eos": True} for i in range(60)]
+    solo_engine = Engine("tiny-random", max_total_tokens=4096, disable_overlap_schedule=True)
+    want = [solo_engine.generate(input_ids=p, sampling_params=q)["output_ids"] for p, q in zip(prompts, params)]
+    chunked = Engine("tiny-random", max_total_tokens=4096, chunked_prefill_size=8, disable_overlap_schedule=True)
+    got = [o["output_ids"] for o in chunked.generate(input_ids=prompts, sampling_params=params)]
+    assert got == want
+
+
+def test_seeded_sampling_survives_retraction_in_the_overlap_loop():
+    prompts = [[3 + (i * 5 + j) % 30 for j in range(6)] for i in range(12)]
+    params = [{"max_new_tokens": 30, "temperature": 1.0, "seed": 7 + i, "ignore_eos": True} for i in range(12)]
+    solo_engine = Engine("tiny-random", max_total_tokens=4096, disable_overlap_schedule=True)
+    want = [solo_engine.generate(input_ids=p, sampling_params=q)["output_ids"] for p, q in zip(prompts, params)]
+    tight = Engine("tiny-random", max_total_tokens=160, disable_overlap_schedule=False, enable_self_check=True)
+    got = [o["output_ids"] for o in tight.generate(input_ids=prompts, sampling_params=params)]
+    assert tight.scheduler.observer.num_retracted_reqs > 0
+    assert got == want
+
+
+def test_a_batch_of_chats():
+    engine = Engine("tiny-random", max_total_tokens=2048)
+    chats = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "hello there"}]]
+    out = engine.generate(messages=chats, sampling_params=GOOD)
+    assert [o["output_ids"] for o in out] == [engine.generate(messages=c, sampling_params=GOOD)["output_ids"]
+                                              for c in chats]
