@@ -55,3 +55,14 @@ def test_no_function_in_sglite_is_longer_than_60_lines():
                 if n > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
     assert not long, long
+
+
+def test_reliability_doc_lists_every_case_the_tests_try():
+    from tests.managers.test_reliability import BAD_REQUESTS, BAD_SERVER_ARGS
+    from tests.test_cli_errors import BAD_COMMANDS
+
+    doc = (ROOT / "docs/reliability.md").read_text()
+    rows = re.findall(r"^\| \d+ \|", doc, re.M)
+    assert len(rows) >= 60 and len(rows) == len(BAD_REQUESTS) + len(BAD_SERVER_ARGS) + len(BAD_COMMANDS)
+    for what, _, message in BAD_REQUESTS + BAD_SERVER_ARGS + BAD_COMMANDS:
+        assert what.replace("|", "\\|") in doc and message in doc, what

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from sglite.engine import Engine
 from sglite.server_args import SCHEDULE_POLICIES
+from tests.managers.test_fuzz import run_workload
 
 request = st.tuples(
     st.lists(st.integers(3, 12), min_size=1, max_size=40),  # small alphabet: prefixes collide
@@ -34,27 +35,12 @@ def test_random_workloads_finish_without_leaks(reqs, pool, chunk, policy, page_s
         chunk = page_size * 2
     engine = Engine("tiny-random", max_total_tokens=pool, chunked_prefill_size=chunk, schedule_policy=policy,
                     page_size=page_size, enable_mixed_chunk=mixed, disable_radix_cache=not radix,
-                    max_running_requests=8, log_level="error", disable_overlap_schedule=not overlap)
+                    max_running_requests=8, log_level="error", disable_overlap_schedule=not overlap,
+                    enable_self_check=True)
     sched = engine.scheduler
-    pending = sorted(range(len(reqs)), key=lambda i: reqs[i][2])
-    rids: dict[int, str] = {}
-    step = 0
-    while pending or sched.has_work():
-        while pending and reqs[pending[0]][2] <= step:
-            i = pending.pop(0)
-            prompt, max_new, _, _ = reqs[i]
-            rids[i] = engine.submit(input_ids=prompt, sampling_params={
-                "max_new_tokens": max_new, "temperature": 0, "ignore_eos": True})
-        for i, (_, _, _, abort_at) in enumerate(reqs):
-            if abort_at == step and i in rids:
-                engine.abort(rids[i])
-        engine.step()
-        sched.runtime_checker.self_check_during_busy()
-        tree = sched.tree_cache
-        assert tree.evictable_size() + tree.protected_size() == tree.total_size()
-        step += 1
-        assert step < 5000, "no progress"
-    engine.step()  # idle: self_check_during_idle raises on a leak
+    greedy = [(prompt, {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}, arrival, abort_at)
+              for prompt, max_new, arrival, abort_at in reqs]
+    rids = run_workload(engine, greedy)
     assert len(rids) == len(reqs)
     for i, rid in rids.items():
         res = engine.result(rid)
