@@ -220,6 +220,8 @@ class Req:
             "time_to_first_token": (self.first_token_time - self.created_time) if self.first_token_time else None,
             "queue_time": ((self.forward_entry_time or now) - self.created_time),
             "retraction_count": self.retraction_count,
+            **({"error": self.finished_reason.message}
+               if isinstance(self.finished_reason, FINISH_ABORT) and self.finished_reason.is_error else {}),
         }
 
     def __repr__(self) -> str:

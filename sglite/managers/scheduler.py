@@ -1,16 +1,13 @@
 """The Scheduler: waiting_queue -> PrefillAdder -> ScheduleBatch -> worker -> results
 (SGLang: managers/scheduler.py). docs/seeds.md §B4: one iteration of event_loop_normal
 does six things — receive, get_next_batch_to_run, run_batch, process_batch_result, the
-idle self-check, and last_batch = batch. event_loop_overlap (§B6) does the same with
-the forward of round N running while round N+1 is planned.
-
-What only watches (events, snapshots, statistics, log lines) lives in
-SchedulerObserver, the memory self-checks in SchedulerRuntimeChecker, token ids to
-text in DetokenizerManager; the model in TpModelWorker (or, overlapped,
-TpModelWorkerClient)."""
+idle self-check, last_batch = batch; event_loop_overlap (§B6) runs round N's forward
+while round N+1 is planned. Watching is SchedulerObserver's job, self-checks are
+SchedulerRuntimeChecker's, text is DetokenizerManager's (docs/architecture.md)."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
 from collections import deque
@@ -21,7 +18,7 @@ from sglite.managers.io_struct import AbortReq, BatchTokenIDOut, TokenizedGenera
 from sglite.managers.schedule_batch import FINISH_ABORT, FINISH_MATCHED_STR, Req, ScheduleBatch
 from sglite.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from sglite.managers.scheduler_observer import SchedulerObserver
-from sglite.managers.scheduler_runtime_checker import SchedulerRuntimeChecker
+from sglite.managers.scheduler_runtime_checker import KVAccountingError, SchedulerRuntimeChecker
 from sglite.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from sglite.managers.tp_worker_overlap_thread import TpModelWorkerClient
 from sglite.mem_cache.chunk_cache import ChunkCache
@@ -35,6 +32,7 @@ MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 
 RecvItem = TokenizedGenerateReqInput | AbortReq
+logger = logging.getLogger("sglite")
 
 
 class Scheduler:
@@ -113,8 +111,18 @@ class Scheduler:
     # --- the loops --------------------------------------------------------------------
 
     def event_loop(self) -> Iterator[None]:
-        """The loop ServerArgs chose; each ``next()`` runs one iteration."""
-        return self.event_loop_overlap() if self.enable_overlap else self.event_loop_normal()
+        """The loop ServerArgs chose; each ``next()`` runs one iteration. A round that
+        raises fails its own requests (fail_round), not the loop; broken KV accounting
+        (KVAccountingError) is the engine's own fault and is raised."""
+        while True:
+            try:
+                yield from (self.event_loop_overlap() if self.enable_overlap else self.event_loop_normal())
+            except KVAccountingError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any error of one round
+                self.fail_round(e)
+                self._end_iteration(None)
+                yield
 
     def event_loop_normal(self) -> Iterator[None]:
         """docs/seeds.md §B4: plan a round, run it, process its tokens, repeat."""
@@ -219,10 +227,10 @@ class Scheduler:
                 self._abort_now(req, abort.message)
                 return
 
-    def _abort_now(self, req: Req, message: str) -> None:
+    def _abort_now(self, req: Req, message: str, is_error: bool = False) -> None:
         """Finish a request at once and free everything it holds."""
         req.to_abort, req.to_abort_message = True, message
-        req.finished_reason = FINISH_ABORT(message)
+        req.finished_reason = FINISH_ABORT(message, is_error=is_error)
         if req in self.waiting_queue:
             self.waiting_queue.remove(req)
         if req is self.chunked_req:
@@ -437,6 +445,24 @@ class Scheduler:
             return
         self.new_token_ratio = self.init_new_token_ratio
         self.runtime_checker.self_check_during_idle(full=self.server_args.enable_self_check)
+
+    def fail_round(self, error: Exception) -> None:
+        """A round raised: answer every request in it with the error, free what they
+        hold (and anything the round left owned by nobody), start the next round clean."""
+        logger.error("iteration %d failed; its requests are aborted", self.iteration, exc_info=error)
+        for _, result in self.result_queue:
+            result.done.wait()  # (overlap) no forward may still write KV slots freed below
+        batches = [b for b in (self.cur_batch, self.last_batch) if b is not None]
+        batches += [b for b, _ in self.result_queue]
+        self.result_queue.clear()
+        self.req_to_token_pool.mark_forward_done(self.forward_ct)
+        message = f"internal error in iteration {self.iteration}: " + " ".join(f"{type(error).__name__}: {error}".split())
+        for req in {id(r): r for b in batches for r in b.reqs if not r.finished()}.values():
+            req.future_token_id = None
+            self._abort_now(req, message[:300], is_error=True)
+        self.running_batch.filter_batch()
+        self.cur_batch = self.last_batch = None
+        self.runtime_checker.reclaim_leaked()
 
     # --- control ----------------------------------------------------------------------
 

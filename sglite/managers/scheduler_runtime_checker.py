@@ -6,8 +6,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     from sglite.managers.scheduler import Scheduler
+
+
+class KVAccountingError(RuntimeError):
+    """The KV pools' accounting is broken: the engine itself is wrong, not one request."""
 
 
 class SchedulerRuntimeChecker:
@@ -32,23 +38,34 @@ class SchedulerRuntimeChecker:
         if full:
             problems += self.slot_ownership_problems()
         if problems:
-            raise RuntimeError("KV memory leak detected when idle: " + "; ".join(problems))
+            raise KVAccountingError("KV memory leak detected when idle: " + "; ".join(problems))
 
     def self_check_during_busy(self) -> None:
         """Every page is free, in the tree, or held by a live request; none is both free
         and used (SGLang's strict busy check; the tests call it every iteration)."""
         problems = self.slot_ownership_problems()
         if problems:
-            raise RuntimeError("KV memory accounting broken: " + "; ".join(problems))
+            raise KVAccountingError("KV memory accounting broken: " + "; ".join(problems))
 
-    def slot_ownership_problems(self) -> list[str]:
+    def reclaim_leaked(self) -> int:
+        """After a failed round: KV pages and request rows that nothing owns (neither free,
+        cached nor held by a live request) go back to their pools. Returns pages reclaimed."""
+        s = self.scheduler
+        missing = self._owned_pages()[3]
+        if missing:
+            pages = torch.tensor(sorted(missing), dtype=torch.int64)
+            s.token_to_kv_pool_allocator.free(pages * s.page_size)
+        pool = s.req_to_token_pool
+        live = {r.req_pool_idx for r in s.live_reqs() if r.req_pool_idx is not None}
+        unowned = set(range(pool.size)) - set(pool.free_slots) - {i for i, _ in pool._held} - live
+        pool.free_slots.extend(sorted(unowned))
+        return len(missing)
+
+    def _owned_pages(self) -> tuple[set[int], set[int], set[int], set[int]]:
+        """(free, cached in the tree, held by a live request, none of these) page ids."""
         s = self.scheduler
         page = s.page_size
-        free_pages = list(s.token_to_kv_pool_allocator.free_pages)
-        free = set(free_pages)
-        problems = []
-        if len(free) != len(free_pages):
-            problems.append("a page is free twice")
+        free = set(s.token_to_kv_pool_allocator.free_pages)
         tree = set((s.tree_cache.all_values_flatten() // page).tolist())
         held: set[int] = set()
         for req in s.live_reqs():
@@ -57,12 +74,19 @@ class SchedulerRuntimeChecker:
                 held |= set((slots // page).tolist())
             elif len(req.prefix_indices) and req is s.chunked_req:
                 held |= set((req.prefix_indices // page).tolist())
+        missing = set(range(1, s.max_total_num_tokens // page + 1)) - free - tree - held
+        return free, tree, held, missing
+
+    def slot_ownership_problems(self) -> list[str]:
+        s = self.scheduler
+        free, tree, held, missing = self._owned_pages()
+        problems = []
+        if len(free) != len(s.token_to_kv_pool_allocator.free_pages):
+            problems.append("a page is free twice")
         if free & tree:
             problems.append(f"{len(free & tree)} pages both free and cached")
         if free & held:
             problems.append(f"{len(free & held)} pages both free and held by a request")
-        all_pages = set(range(1, s.max_total_num_tokens // page + 1))
-        missing = all_pages - free - tree - held
         if missing:
             problems.append(f"{len(missing)} pages leaked (neither free, cached nor held)")
         return problems

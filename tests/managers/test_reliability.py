@@ -217,3 +217,26 @@ def test_a_batch_of_chats():
     out = engine.generate(messages=chats, sampling_params=GOOD)
     assert [o["output_ids"] for o in out] == [engine.generate(messages=c, sampling_params=GOOD)["output_ids"]
                                               for c in chats]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_round_that_raises_fails_its_requests_and_the_engine_serves_on(overlap, monkeypatch):
+    from sglite.managers import schedule_batch
+
+    engine = Engine("tiny-random", max_total_tokens=512, disable_overlap_schedule=not overlap, enable_self_check=True)
+    want = engine.generate(input_ids=[5, 6, 7], sampling_params=GOOD)["output_ids"]
+    real = schedule_batch.SamplingBatchInfo.from_reqs
+    calls = {"n": 0}
+
+    def fails_once_mid_run(reqs, *args, **kw):  # the third batch built: requests hold KV by then
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OverflowError("a value no tensor can hold")
+        return real(reqs, *args, **kw)
+
+    monkeypatch.setattr(schedule_batch.SamplingBatchInfo, "from_reqs", fails_once_mid_run)
+    out = engine.generate(input_ids=[[5, 6, 7], [8, 9, 10, 11]], sampling_params={**GOOD, "max_new_tokens": 8})
+    assert all("internal error" in o["error"] and "OverflowError" in o["error"] for o in out)
+    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in out)
+    assert engine.generate(input_ids=[5, 6, 7], sampling_params=GOOD)["output_ids"] == want
+    engine.step()  # idle: the page walk finds nothing leaked or free twice
