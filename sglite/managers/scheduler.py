@@ -22,6 +22,7 @@ from sglite.managers.scheduler_runtime_checker import KVAccountingError, Schedul
 from sglite.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from sglite.managers.tp_worker_overlap_thread import TpModelWorkerClient
 from sglite.mem_cache.chunk_cache import ChunkCache
+from sglite.mem_cache.memory_pool import KVDoubleFreeError
 from sglite.mem_cache.radix_cache import RadixCache
 from sglite.server_args import ServerArgs
 
@@ -117,7 +118,7 @@ class Scheduler:
         while True:
             try:
                 yield from (self.event_loop_overlap() if self.enable_overlap else self.event_loop_normal())
-            except KVAccountingError:
+            except (KVAccountingError, KVDoubleFreeError):
                 raise
             except Exception as e:  # noqa: BLE001 - any error of one round
                 self.fail_round(e)

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 
 class KVAccountingError(RuntimeError):
-    """The KV pools' accounting is broken: the engine itself is wrong, not one request."""
+    """The KV pools' accounting is broken: the engine itself is wrong, not one request
+    (KVDoubleFreeError, raised by the allocator, is the other such error)."""
 
 
 class SchedulerRuntimeChecker:

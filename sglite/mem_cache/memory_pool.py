@@ -81,6 +81,10 @@ class ReqToTokenPool:
         self._held = []
 
 
+class KVDoubleFreeError(RuntimeError):
+    """A KV page was freed while already free: the scheduler's accounting is wrong."""
+
+
 class TokenToKVPoolAllocator:
     """Free list of KV slots, kept as whole pages.
 
@@ -103,6 +107,7 @@ class TokenToKVPoolAllocator:
         # page p covers slots [p*page_size, (p+1)*page_size); page 0 is the padding page
         # a deque: taking n pages costs O(n), not a copy of the whole free list
         self.free_pages: deque[int] = deque(range(1, num_pages + 1))
+        self._free_set: set[int] = set(self.free_pages)  # catches a double free where it happens
 
     def available_size(self) -> int:
         return len(self.free_pages) * self.page_size
@@ -110,7 +115,9 @@ class TokenToKVPoolAllocator:
     def _take_pages(self, n: int) -> list[int] | None:
         if n > len(self.free_pages):
             return None
-        return [self.free_pages.popleft() for _ in range(n)]
+        pages = [self.free_pages.popleft() for _ in range(n)]
+        self._free_set.difference_update(pages)
+        return pages
 
     def _pages_to_slots(self, pages: list[int]) -> torch.Tensor:
         if not pages:
@@ -162,7 +169,11 @@ class TokenToKVPoolAllocator:
             # a page is freed when any of its slots is; callers free whole pages (the radix
             # cache only keeps page-aligned keys, and requests free all their slots)
             pages = torch.unique(free_index // self.page_size).tolist()
+        again = self._free_set.intersection(pages)
+        if again or len(set(pages)) != len(pages):
+            raise KVDoubleFreeError(f"KV page(s) freed twice: {sorted(again)[:8] or 'within one call'}")
         self.free_pages.extend(pages)
+        self._free_set.update(pages)
 
     def debug_free_slots(self) -> set[int]:
         return set(self._pages_to_slots(sorted(self.free_pages)).tolist())

@@ -113,6 +113,7 @@ def test_random_workloads_equal_solo_runs(reqs, pool, chunk, policy, page_size, 
         frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in reqs[i][1].items()))
         want = solo(tuple(reqs[i][0]), frozen)
         got = tuple(res["output_ids"])
+        assert "error" not in res, res["error"]  # an abort here is the caller's, never a failed round
         if reason == "abort":
             assert got == want[: len(got)], (i, got, want)
         else:
