@@ -370,19 +370,39 @@ def write_document(results: dict[str, tuple[Workload, list[Row]]], run_args: dic
 # --- main -----------------------------------------------------------------------------
 
 
+def check_args(args: argparse.Namespace) -> list[int]:
+    """Every argument, before anything loads (a ValueError names the bad one); returns
+    the transformers batch sizes to try."""
+    from sglite.server_args import KNOWN_MODELS
+
+    for flag, value in (("--repeat", args.repeat), ("--requests", args.requests), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if args.model_path not in KNOWN_MODELS and not os.path.exists(os.path.expanduser(args.model_path)):
+        raise ValueError(f"--model-path {args.model_path!r}: not a file or folder, and not one of: "
+                         f"{', '.join(KNOWN_MODELS)}")
+    select_ablations(args.ablations)
+    if not args.hf_batch_sizes:
+        return list(HF_BATCH_SIZES_QUICK if args.quick else HF_BATCH_SIZES)
+    try:
+        sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--hf-batch-sizes must be a comma list of positive integers, got {args.hf_batch_sizes!r}")
+    return sizes
+
+
 def run(args: argparse.Namespace, prog: str = "python benchmarks/bench.py", argv: list[str] | None = None) -> int:
+    sizes = check_args(args)
     import torch
 
     from sglite.model_loader import ModelLoadError, load_model
 
     tic = time.monotonic()
-    if args.repeat < 1:
-        raise ValueError("--repeat must be at least 1")
     names = list(WORKLOADS) if not args.workload or "all" in args.workload else list(dict.fromkeys(args.workload))
     chosen = select_ablations(args.ablations)
     threads = args.threads or torch.get_num_threads()
-    sizes = [int(b) for b in args.hf_batch_sizes.split(",")] if args.hf_batch_sizes else list(
-        HF_BATCH_SIZES_QUICK if args.quick else HF_BATCH_SIZES)
     notes: list[str] = []
     baseline = not args.skip_baseline
     if baseline and (why := baseline_unavailable()):

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib.metadata import entry_points
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
-from sglite.server_args import ServerArgs
+from sglite.server_args import KNOWN_MODELS, ServerArgs
 
 
 def plugins() -> list[ModuleType]:
@@ -31,6 +32,32 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     for plugin in plugins():
         if hasattr(plugin, "add_engine_arguments"):
             plugin.add_engine_arguments(parser)
+
+
+def check_output_path(path: str | None, flag: str) -> None:
+    """A file an option will write: its folder must exist (checked before any loading)."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(os.path.expanduser(path)))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a folder, not a file")
+
+
+def check_engine_args(args: argparse.Namespace) -> ServerArgs:
+    """Everything about an engine command's arguments that can be known before loading
+    anything: the model path names a model or exists, output files have a folder, the
+    plugins' options are sane, and every server argument is in range. Raises ValueError
+    with a one-line reason (``main`` prints it), well under a second after the start."""
+    model = args.model_path
+    if model not in KNOWN_MODELS and not os.path.exists(os.path.expanduser(model)):
+        raise ValueError(f"--model-path {model!r}: not a file or folder, and not one of: {', '.join(KNOWN_MODELS)}")
+    check_output_path(getattr(args, "record", None), "--record")
+    for plugin in plugins():
+        if hasattr(plugin, "check_args"):
+            plugin.check_args(args)
+    return ServerArgs.from_cli_args(args)
 
 
 def attach_viewers(engine: Any, args: argparse.Namespace) -> Callable[[], None]:
@@ -72,11 +99,19 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_generate)
 
 
+def _sampling_params(args: argparse.Namespace) -> dict[str, Any]:
+    return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "stop": args.stop}
+
+
 def _run_generate(args: argparse.Namespace) -> int:
+    from sglite.sampling.sampling_params import SamplingParams
+
+    SamplingParams.from_dict(_sampling_params(args)).verify()  # before anything loads
+    server_args = check_engine_args(args)
     from sglite.engine import Engine
     from sglite.model_loader import ModelLoadError
 
-    server_args = ServerArgs.from_cli_args(args)
     try:
         engine = Engine(**vars(server_args))
     except ModelLoadError as e:
@@ -91,8 +126,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _generate(engine: Any, args: argparse.Namespace) -> int:
-    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-              "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "stop": args.stop}
+    params = _sampling_params(args)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}]

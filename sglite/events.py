@@ -146,6 +146,7 @@ class ReqArrived(Event):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    ignore_eos: bool = False  # decodes past the model's end of turn (SamplingParams.ignore_eos)
 
 
 @dataclass(frozen=True)
@@ -291,6 +292,7 @@ class TreeNodeRow(NamedTuple):
     lock_ref: int
     access_seq: int  # order of last access (for LRU)
     hit_count: int
+    key_text: str = ""  # key_head decoded (the scheduler's tokenizer; "" without one)
 
 
 @dataclass(frozen=True)

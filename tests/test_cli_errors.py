@@ -3,6 +3,9 @@ exit status, never a traceback (docs/reliability.md)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from sglite.cli import main
@@ -10,9 +13,10 @@ from sglite.cli import main
 # (what was tried, argv, a fragment of the one-line error)
 BAD_COMMANDS: list[tuple[str, list[str], str]] = [
     ("--record into a missing folder", ["generate", "hi", "--model-path", "tiny-random", "--max-new-tokens", "2",
-                                        "--record", "/nonexistent-dir/run.jsonl"], "No such file or directory"),
+                                        "--record", "/nonexistent-dir/run.jsonl"], "folder /nonexistent-dir does not exist"),
     ("--trace-jsonl into a missing folder", ["generate", "hi", "--model-path", "tiny-random", "--max-new-tokens", "2",
-                                             "--trace-jsonl", "/nonexistent-dir/spans.jsonl"], "No such file or directory"),
+                                             "--trace-jsonl", "/nonexistent-dir/spans.jsonl"],
+     "folder /nonexistent-dir does not exist"),
     ("--decode-log-interval 0", ["generate", "hi", "--model-path", "tiny-random", "--decode-log-interval", "0"],
      "decode_log_interval must be positive"),
     ("--context-length -5", ["generate", "hi", "--model-path", "tiny-random", "--context-length", "-5"],
@@ -23,6 +27,19 @@ BAD_COMMANDS: list[tuple[str, list[str], str]] = [
     ("--max-prefill-tokens 0", ["generate", "hi", "--model-path", "tiny-random", "--max-prefill-tokens", "0"],
      "max_prefill_tokens must be positive"),
     ("a model path that does not exist", ["generate", "hi", "--model-path", "/nonexistent/model.gguf"], "nonexistent"),
+    ("--max-new-tokens -1", ["generate", "hi", "--max-new-tokens", "-1"], "max_new_tokens must be a positive integer"),
+    ("--temperature -1", ["generate", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+    ("--top-p 0", ["generate", "hi", "--top-p", "0"], "top_p must be in (0, 1]"),
+    ("--stop ''", ["generate", "hi", "--stop", ""], "stop must be a non-empty string"),
+    ("tui: a misspelled workload", ["tui", "--workload", "dmeo"], "unknown workload 'dmeo'; built in: demo"),
+    ("tui --max-total-tokens -5", ["tui", "--max-total-tokens", "-5"], "max_total_tokens must be positive"),
+    ("tui --record into a missing folder", ["tui", "--record", "/nonexistent-dir/r.jsonl"], "does not exist"),
+    ("tui: a model path that does not exist", ["tui", "--model-path", "/nonexistent/m.gguf"], "not a file or folder"),
+    ("walkthrough: an unknown name", ["walkthrough", "two-request"], "no walkthrough 'two-request'; known"),
+    ("bench --requests 0", ["bench", "--requests", "0"], "--requests must be at least 1"),
+    ("bench --hf-batch-sizes x", ["bench", "--hf-batch-sizes", "x"], "--hf-batch-sizes must be a comma list"),
+    ("bench --model-path missing", ["bench", "--model-path", "/nonexistent/m.gguf"], "not a file or folder"),
+    ("bench --ablations nope", ["bench", "--ablations", "nope"], "unknown ablation(s) nope"),
 ]
 
 
@@ -31,6 +48,31 @@ def test_bad_commands_fail_in_one_line(capsys, what, argv, message):
     assert main(argv) != 0
     err = capsys.readouterr().err.strip()
     assert message in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+NOTHING_LOADED = """
+import sys
+from sglite.cli import main
+rc = main(sys.argv[1:])
+print(rc, "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("what,argv,message", BAD_COMMANDS, ids=[c[0] for c in BAD_COMMANDS])
+def test_bad_arguments_are_refused_before_anything_loads(what, argv, message):
+    """Argument errors come before any loading: torch (0.8 s to import, then the model)
+    is never imported."""
+    proc = subprocess.run([sys.executable, "-c", NOTHING_LOADED, *argv], capture_output=True, text=True, timeout=120)
+    rc, torch_loaded = proc.stdout.split()
+    assert rc != "0" and torch_loaded == "False", (proc.stdout, proc.stderr)
+    assert message in proc.stderr
+
+
+def test_tui_needs_a_terminal(capsys):
+    """(Under pytest stdout is captured: not a terminal.) Checked after the arguments."""
+    assert main(["tui", "--model-path", "tiny-random"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "sglite tui draws in a terminal, and stdout is not one" in err and len(err.splitlines()) == 1
 
 
 def test_trace_convert_of_an_empty_or_wrong_file_fails(tmp_path, capsys):

@@ -21,6 +21,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-console", action="store_true", help="print finished spans to stdout")
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Before anything loads: the span file's folder exists."""
+    from sglite.cli import check_output_path
+
+    check_output_path(args.trace_jsonl, "--trace-jsonl")
+
+
 def attach(bus: Any, args: argparse.Namespace, model: str) -> Callable[[], None] | None:
     from tracing import setup_tracing
 

@@ -9,22 +9,22 @@ from __future__ import annotations
 
 import gc
 from time import monotonic
-from typing import Any, Sequence
+from typing import Any
 
+from rich.markup import escape
 from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.message import Message
-from textual.geometry import Region, Size
-from textual.strip import Strip
-from textual.widget import Widget
 from textual.widgets import Footer, Input, RichLog, Static
 
-from sglite.events import TreeNodeRow
 from sglite.server_args import SCHEDULE_POLICIES
-from tui.state import LOG_KEEP, ReqInfo, View, ViewBuilder
+from tui.help import HelpScreen
+from tui.host import HostState
+from tui.state import ADMISSION_WORDS, LOG_KEEP, THROUGHPUT_WINDOW, ReqInfo, View, ViewBuilder
+from tui.widgets import RadixTreeView, RowTable, TextLines, TextSparkline, TitleBar
+from tui.workloads import BUILTIN, load
 
 UI_INTERVAL = 0.02  # seconds between looks for a new view (the host ships one at most every tui.host.SHIP_INTERVAL)
 REPLAY_SPEED = 10  # iterations a second while a replay plays
@@ -32,6 +32,7 @@ REPLAY_SPEED = 10  # iterations a second while a replay plays
 # layout pass of the whole screen, are redrawn at most this often (paused, stepping or
 # replaying: every view)
 SLOW_PANELS_INTERVAL = 0.15
+DECAY_REDRAW = THROUGHPUT_WINDOW / 4  # live, once no iteration ran for this long, tok/s is redrawn as it falls
 
 
 class LiveFeed:
@@ -43,6 +44,11 @@ class LiveFeed:
         self.builder = ViewBuilder()
         self.latest: View | None = None
         self.error: str | None = None
+        self.host_state: HostState | None = None
+        self.state_changed = False  # a HostState came since the screen last looked
+
+    def latest_iteration(self) -> int:
+        return self.latest.iteration if self.latest is not None else -1
 
     def pump(self) -> View | None:
         """Apply everything the engine sent since the last call; the newest View."""
@@ -53,6 +59,8 @@ class LiveFeed:
                     view = self.builder.apply(e)
                     if view is not None:
                         new = view
+            elif kind == "state":
+                self.host_state, self.state_changed = payload, True
             elif kind == "log":
                 self.builder.add_log("", payload)
             elif kind == "error":
@@ -65,244 +73,6 @@ class LiveFeed:
             self.latest.log, self.latest.log_total = self.builder.log[-LOG_KEEP:], len(self.builder.log)
             new = self.latest
         return new
-
-
-class TextLines(Widget):
-    """Lines of Rich Text, repainted line by line: a change redraws only the lines that
-    differ. A Static re-renders its whole text, and the styles pass every line of its
-    box, on any change; the queues, the plan and the pool change a few lines an
-    iteration (and their blank lines never), and redrawing whole panels was most of what
-    a frame cost. Lines wider than the panel end in an ellipsis."""
-
-    DEFAULT_CSS = "TextLines { height: auto; }"
-
-    def __init__(self, id: str | None = None) -> None:  # noqa: A002
-        super().__init__(id=id)
-        self.lines: list[Text] = []
-        self._strips: dict[int, Strip] = {}  # line -> what it drew, for _strips_made_for
-        self._strips_made_for: tuple | None = None  # (width, base style)
-        self._pass: tuple | None = None
-
-    @property
-    def plain(self) -> str:
-        return "\n".join(t.plain for t in self.lines)
-
-    def set_lines(self, lines: list[Text]) -> None:
-        old, self.lines = self.lines, lines
-        # (Text's == compares the characters and the spans, not the line's own style)
-        dirty = [y for y in range(max(len(old), len(lines)))
-                 if y >= len(old) or y >= len(lines) or old[y] != lines[y] or old[y].style != lines[y].style]
-        if not dirty:
-            return
-        for y in dirty:
-            self._strips.pop(y, None)
-        if len(lines) != len(old) and self.styles.height is not None and self.styles.height.is_auto:
-            self.refresh(layout=True)  # an auto-height panel changes size
-            return
-        width = max(self.size.width, 1)
-        runs: list[list[int]] = []
-        for y in dirty:
-            if runs and runs[-1][1] == y:
-                runs[-1][1] = y + 1
-            else:
-                runs.append([y, y + 1])
-        self.refresh(*(Region(0, a, width, b - a) for a, b in runs))
-
-    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
-        return len(self.lines)
-
-    def render_lines(self, crop: Region) -> list[Strip]:
-        # the width and the base style once a pass (each costs a walk of the DOM), not a line
-        self._pass = None
-        return super().render_lines(crop)
-
-    def render_line(self, y: int) -> Strip:
-        if self._pass is None:
-            self._pass = (self.size.width, self.rich_style)
-            if self._pass != self._strips_made_for:  # a new size or style: every line anew
-                self._strips.clear()
-                self._strips_made_for = self._pass
-        strip = self._strips.get(y)
-        if strip is None:
-            width, base = self._pass
-            if y >= len(self.lines):
-                strip = Strip.blank(width, base)
-            else:
-                text = self.lines[y]
-                if text.cell_len > width:
-                    text = text.copy()
-                    text.truncate(width, overflow="ellipsis")
-                console = self.app.console  # (Text.render leaves the line's own style out)
-                style = base + console.get_style(text.style) if text.style else base
-                strip = Strip(list(text.render(console))).apply_style(style)
-            self._strips[y] = strip
-        return strip
-
-
-class TextSparkline(TextLines):
-    """A one-line bar chart of the last values that fit, newest on the right. (Textual's
-    Sparkline blends a colour for every cell and re-rendered both charts every frame:
-    a tenth of what a frame cost.)"""
-
-    BARS = " ▁▂▃▄▅▆▇█"
-    DEFAULT_CSS = "TextSparkline { height: 1; width: 1fr; color: $success; }"
-
-    def __init__(self, id: str | None = None) -> None:  # noqa: A002
-        super().__init__(id=id)
-        self._data: tuple[list[float], float | None] = ([], None)
-
-    def show(self, data: list[float], top: float | None = None) -> None:
-        """``top``: the value of a full bar (default: the largest shown)."""
-        self._data = (data, top)
-        width = max(self.size.width, 1)
-        shown = data[-width:]
-        peak = top if top is not None else max(shown, default=0.0)
-        levels = len(self.BARS) - 1
-        bars = "".join(self.BARS[max(1, min(levels, round(levels * v / peak)))] if peak > 0 else self.BARS[1]
-                       for v in shown)
-        self.set_lines([Text(bars.rjust(width))])
-
-    def on_resize(self) -> None:
-        self.show(*self._data)
-
-
-class RowTable(TextLines):
-    """A table of rows (a queue, this round's plan), one line a row.
-
-    Every running request's seq_len changes every iteration, so a live table changes
-    nearly every row every frame; Textual's DataTable renders and caches cell by cell,
-    which made the three tables half of what a frame cost. Here a row is one line of
-    text, and only the rows that changed are repainted. Columns widen for a wider value
-    and never narrow (no jitter); rows that do not fit end in a "+N more" line; the
-    selected request's row is reversed; a click on a row selects that request.
-    """
-
-    class Clicked(Message):
-        def __init__(self, rid: str) -> None:
-            super().__init__()
-            self.rid = rid
-
-    def __init__(self, columns: tuple[str, ...], id: str) -> None:  # noqa: A002
-        super().__init__(id=id)
-        self.columns = columns
-        self.rows: list[tuple[str, ...]] = []  # everything the table holds, shown or not
-        self.selected: str | None = None
-        self._widths = [len(c) for c in columns]
-        self._shown = 0
-        self._key: Any = None
-        self._titles: tuple[str, str] | None = None
-        self._borders_only = False
-
-    def set_border_titles(self, title: str, subtitle: str) -> None:
-        """Set the border's title and sub-title, repainting only the border's two lines
-        (a title set repaints the whole panel, and this round's title changes every
-        iteration)."""
-        if (title, subtitle) == self._titles:
-            return
-        self._titles = (title, subtitle)
-        self._borders_only = True
-        try:
-            self.border_title, self.border_subtitle = title, subtitle
-        finally:
-            self._borders_only = False
-
-    def refresh(self, *regions: Region, **kwargs: Any) -> Any:
-        if self._borders_only and not regions and not kwargs and self.is_mounted:
-            # regions are relative to the content: the border lines lie outside it
-            off, outer = self.content_offset, self.outer_size
-            regions = (Region(-off.x, -off.y, outer.width, 1), Region(-off.x, outer.height - 1 - off.y, outer.width, 1))
-        return super().refresh(*regions, **kwargs)
-
-    def show(self, rows: list[tuple], selected: str | None = None) -> None:
-        rows = [tuple(str(c) for c in r) for r in rows]
-        height = max(2, self.size.height)
-        key = (rows, selected, height)
-        if key == self._key:
-            return
-        self._key, self.rows, self.selected = key, rows, selected
-        for r in rows:
-            self._widths = [max(w, len(c)) for w, c in zip(self._widths, r)]
-        fit = height - 1  # the header takes a line
-        shown = rows if len(rows) <= fit else rows[: fit - 1]
-        self._shown = len(shown)
-
-        def line(cells: tuple[str, ...]) -> str:  # rid left, numbers right
-            return " ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(cells, self._widths)))
-
-        lines = [Text(line(self.columns), style="bold")]
-        lines += [Text(line(r), style="reverse" if r[0] == selected else "") for r in shown]
-        if len(shown) < len(rows):
-            lines.append(Text(f"+{len(rows) - len(shown)} more", style="dim"))
-        self.set_lines(lines)
-
-    def on_resize(self) -> None:
-        if self._key is not None:
-            self._key = None
-            self.show(self.rows, self.selected)
-
-    def on_click(self, event: Any) -> None:
-        offset = event.get_content_offset(self)
-        if offset is not None and 1 <= offset.y <= self._shown:
-            self.post_message(self.Clicked(self.rows[offset.y - 1][0]))
-
-
-class RadixTreeView(Static):
-    """The radix tree as indented text, one node a line (Textual's Tree widget rebuilt
-    its nodes on every change, a large part of a frame while locks and access times
-    change every iteration). ``lines`` holds (depth, label) in drawing order."""
-
-    def __init__(self, id: str) -> None:  # noqa: A002
-        super().__init__(id=id)
-        self.lines: list[tuple[int, str]] = []
-        self._extent = (0, 0)  # (lines, widest line) last shown
-
-    def show(self, tree: Sequence[TreeNodeRow], matched_path: Any) -> None:
-        children: dict[int, list[TreeNodeRow]] = {}
-        root = None
-        for node in tree:
-            if node.parent_id == -1:
-                root = node.id
-            else:
-                children.setdefault(node.parent_id, []).append(node)
-        # least recently used first: the order eviction takes unlocked leaves in
-        order = {row.id: rank for rank, row in enumerate(sorted(tree, key=lambda r: r.access_seq))}
-        text = Text("root", no_wrap=True, overflow="ellipsis")
-        self.lines = []
-
-        def walk(parent: int, prefix: str) -> None:
-            kids = children.get(parent, [])
-            for i, node in enumerate(kids):
-                node_id, last = node.id, i == len(kids) - 1
-                lock = f" 🔒{node.lock_ref}" if node.lock_ref else ""
-                label = f"{node.key_len}{lock} lru{order[node_id]} {list(node.key_head[:3])}"
-                self.lines.append((len(prefix) // 3, label))
-                text.append("\n" + prefix + ("└─ " if last else "├─ "), style="dim")
-                text.append(label, style="bold reverse" if node_id in matched_path else "")
-                walk(node_id, prefix + ("   " if last else "│  "))
-
-        if root is not None:
-            walk(root, "")
-        # a layout pass (the scroll box measures the text) costs a whole-screen repaint;
-        # only a change of size needs one
-        extent = (len(self.lines), max((len(ln) for ln in text.plain.split("\n")), default=0))
-        self.update(text, layout=extent != self._extent)
-        self._extent = extent
-
-
-class TitleBar(Static):
-    """The top line: the app's title and sub-title (state, iteration, loop, model).
-
-    Textual's Header redraws its title with a layout pass, and the sub-title changes
-    every frame: that made every frame a whole-screen repaint. The bar's size never
-    depends on its text, so an update here repaints this one line."""
-
-    DEFAULT_CSS = """
-    TitleBar { dock: top; width: 100%; height: 1; background: $panel; color: $foreground;
-               text-wrap: nowrap; text-overflow: ellipsis; content-align: center middle; }
-    """
-
-    def show(self, title: str, sub_title: str) -> None:
-        self.update(self.app.format_title(title, sub_title), layout=False)
 
 
 class DetailScreen(ModalScreen):
@@ -325,25 +95,22 @@ class DetailScreen(ModalScreen):
     def on_mount(self) -> None:
         self.query_one("#detail", VerticalScroll).border_title = f"request {self.rid} (Esc closes)"
 
-    def show(self, req: ReqInfo | None, view: View) -> None:
+    def show(self, req: ReqInfo | None, view: View, arriving: bool = False) -> None:
+        """``arriving``: the host submitted it and the scheduler has not received it yet."""
         body = self.query_one("#detail-body", Static)
         if req is None:
-            body.update(f"no events for {self.rid} yet")
+            body.update(f"{self.rid}: " + ("arriving (received at the next iteration's recv_requests)"
+                                           if arriving else "no events yet"))
             return
-        state = _state_of(self.rid, view)
-        lines = [f"[b]{self.rid}[/]  {state}  prompt {req.prompt_tokens} tokens, "
-                 f"output {req.tokens_at(view.iteration)}/{req.max_new_tokens}", "", "[b]stages[/]"]
-        lines += [f"  iter {it:>5}  {what}" for it, what in req.timeline_at(view.iteration)]
-        body.update(Text.from_markup("\n".join(lines) + "\n\n").append("text so far\n", style="bold")
-                    .append(req.text_at(view.iteration) or "(none yet)"))
-
-
-def _state_of(rid: str, view: View) -> str:
-    if any(r[0] == rid for r in view.running):
-        return "running"
-    if any(r[0] == rid for r in view.waiting):
-        return "waiting"
-    return "chunked" if view.chunked_rid == rid else "not queued"
+        lines = [f"[b]{escape(self.rid)}[/]  {escape(req.state_at(view))}",
+                 f"prompt {req.prompt_tokens} tokens, max_new_tokens {req.max_new_tokens}"
+                 + (" · ignore_eos" if req.ignore_eos else ""), "", "[b]stages[/] (iteration, what happened)"]
+        lines += [f"  iter {it:>5}  {escape(what)}" for it, what in req.timeline_at(view.iteration)]
+        text = Text.from_markup("\n".join(lines) + "\n\n").append("text so far\n", style="bold")
+        if req.ignore_eos:
+            text.append("EOS ignored: generation continues past the model's end of turn, so the text runs on "
+                        "into turns the model invents\n", style="italic yellow")
+        body.update(text.append(req.text_at(view.iteration) or "(none yet)"))
 
 
 class SchedulerApp(App):
@@ -357,19 +124,23 @@ class SchedulerApp(App):
     .spark Static { width: 7; }
     #prompt { dock: bottom; display: none; }
     """
+    # q and ? first: a narrow footer cuts the end (the help screen lists every key)
     BINDINGS = [
-        Binding("space", "toggle_pause", "pause/run"),
+        Binding("q", "quit", "quit"),
+        Binding("question_mark", "help", "help", key_display="?"),
+        Binding("space", "toggle_pause", "run"),
         Binding("n,right", "step", "step"),
         Binding("b,left", "back", "back"),
         Binding("home", "first", "first", show=False),
         Binding("end", "last", "last", show=False),
-        Binding("a", "add_prompt", "add prompt"),
+        Binding("a", "add_prompt", "prompt"),
         Binding("w", "add_workload", "workload"),
         Binding("p", "next_policy", "policy"),
         Binding("s", "select_next", "select"),
         Binding("d", "detail", "detail"),
-        Binding("q", "quit", "quit"),
+        Binding("t", "toggle_tree_text", "text/ids", show=False),  # (the tree's border says t)
     ]
+    ENABLE_COMMAND_PALETTE = False  # every action has a key, and ^p took footer room
     LIVE_ONLY = {"add_prompt", "add_workload", "next_policy"}
     REPLAY_ONLY = {"back", "first", "last"}
 
@@ -392,6 +163,8 @@ class SchedulerApp(App):
         self._ticks = 0
         self._slow_drawn = 0.0  # when the tree and the log were last drawn (monotonic)
         self._slow_stale = False  # a view was drawn without them
+        self._pool_drawn = 0.0  # when the KV pool panel was last drawn (monotonic)
+        self.tree_as_text = True  # radix nodes labelled with their text (t: token ids)
 
     @property
     def replay(self) -> bool:
@@ -427,12 +200,15 @@ class SchedulerApp(App):
                 yield RadixTreeView(id="tree")
             yield RichLog(id="log", markup=True, wrap=False, max_lines=500)
         yield Input(id="prompt", disabled=True)
-        yield Footer()
+        yield Footer(compact=True)
 
     def on_mount(self) -> None:
-        for wid, title in (("waiting", "waiting_queue"), ("running", "running_batch"), ("plan", "this round"),
-                           ("poolbox", "KV pool"), ("treebox", "radix tree"), ("log", "events")):
-            self.query_one(f"#{wid}").border_title = title
+        # the border sub-titles give the units (a narrow panel cuts them; ? explains all)
+        for wid, title, sub in (("poolbox", "KV pool", "█ used ▒ cached · free"),
+                                ("treebox", "radix tree", "tokens 🔒lock_ref lru order · t"),
+                                ("log", "events", "iteration, event")):
+            box = self.query_one(f"#{wid}")
+            box.border_title, box.border_subtitle = title, sub
         self._show_top_line(self.subtitle_base)
         if self.replay and self.views:
             self.render_view(self.views[0])
@@ -452,53 +228,99 @@ class SchedulerApp(App):
                 self.show_index(self.index + 1)
             return
         view = self.feed.pump()
-        if view is not None:
-            self.render_view(view)
+        if view is not None or self.feed.state_changed:
+            self.feed.state_changed = False
+            self.render_view(view or self.last_view or View())
         elif self._slow_stale and monotonic() - self._slow_drawn >= SLOW_PANELS_INTERVAL:
             self._render_slow_panels(self.last_view)
+        elif self.last_view is not None and monotonic() - self._pool_drawn >= DECAY_REDRAW:
+            self._render_pool(self.last_view)  # tok/s falls while nothing runs
 
     def show_index(self, i: int) -> None:
         if self.views:
             self.index = max(0, min(i, len(self.views) - 1))
             self.render_view(self.views[self.index])
 
+    @property
+    def host_state(self) -> HostState | None:
+        return self.feed.host_state if self.feed is not None else None
+
     def render_view(self, v: View) -> None:
         self.last_view = v
         self.updates += 1
-        for tid, rows in (("waiting", v.waiting), ("running", v.running), ("plan", v.plan)):
-            self.query_one(f"#{tid}", RowTable).show(rows, self.selected)
-        plan = self.query_one("#plan", RowTable)
-        wide = plan.size.width >= 40
-        if not v.bid:
-            title = "this round: idle"
-        else:
-            title = (f"this round #{v.bid}: {v.forward_mode}, {v.plan_rows} rows" if wide
-                     else f"#{v.bid} {v.forward_mode} {v.plan_rows} rows")
-        # the overlap loop: which batch runs now, whose results this iteration processed
-        flight = []
-        if v.overlap and v.bid:
-            flight.append(f"#{v.bid} in flight" if wide else f"#{v.bid} running")
-        if v.overlap and v.processed_bid:
-            flight.append(f"#{v.processed_bid} processed" if wide else f"#{v.processed_bid} done")
-        plan.set_border_titles(title, ", ".join(flight))
+        self._render_tables(v)
         self._render_pool(v)
         if self.replay or self.paused or monotonic() - self._slow_drawn >= SLOW_PANELS_INTERVAL:
             self._render_slow_panels(v)
         else:
             self._slow_stale = True
-        state = "replay" if self.replay else ("paused" if self.paused else "running")
-        where = f" {self.index + 1}/{len(self.views)}" if self.replay else ""
-        loop = " · overlap loop" if v.overlap else " · normal loop" if v.has_snapshots else ""
-        # most important first: a narrow terminal cuts the end
-        self._show_top_line(f"{state}{where} · iter {v.iteration}{loop} · {self.subtitle_base}")
+        self._show_top_line(self._top_line(v))
         if isinstance(self.screen, DetailScreen):
-            self.screen.show(self.requests.get(self.screen.rid), v)
+            hs = self.host_state
+            self.screen.show(self.requests.get(self.screen.rid), v, hs is not None and self.screen.rid in hs.arriving)
+
+    def _render_tables(self, v: View) -> None:
+        hs = self.host_state
+        arriving = [f"arriving: {rid} (recv_requests next iteration)" for rid in hs.arriving] if hs else []
+        waiting = self.query_one("#waiting", RowTable)
+        waiting.show(v.waiting, self.selected, arriving)
+        waiting.set_border_titles(f"waiting_queue ({v.policy})" if v.policy else "waiting_queue",
+                                  "len, cached: tokens; wait: iterations")
+        running = self.query_one("#running", RowTable)
+        running.show(v.running, self.selected)
+        running.set_border_titles("running_batch", f"{v.finished} finished · seq: tokens")
+        plan = self.query_one("#plan", RowTable)
+        plan.show(v.plan, self.selected)
+        wide = plan.size.width >= 40
+        # one counter everywhere: the iteration just run (#b: the id of the batch it launched)
+        rows = f"{v.plan_rows} rows"
+        if not v.bid:
+            title = f"iter {v.iteration}: no batch"
+        else:
+            title = (f"iter {v.iteration} ran #{v.bid}: {v.forward_mode}, {rows}" if wide
+                     else f"iter {v.iteration}: #{v.bid} {v.forward_mode}")
+        # the overlap loop: which batch runs now, whose results this iteration processed
+        flight = [] if wide or not v.bid else [rows]
+        if v.overlap and v.bid and wide:
+            flight.append(f"#{v.bid} in flight")
+        if v.overlap and v.processed_bid:
+            flight.append(f"#{v.processed_bid} processed" if wide else f"#{v.processed_bid} done")
+        plan.set_border_titles(title, ", ".join(flight) or ("tokens; loc: KV slots" if v.bid else ""))
+
+    def _top_line(self, v: View) -> str:
+        """Most important first (a narrow terminal cuts the end): the engine's state, the
+        iteration on screen, the loop, then the model and the workloads with work left."""
+        hs = self.host_state
+        if self.replay:
+            state = f"replay {self.index + 1}/{len(self.views)}"
+        elif hs is not None and hs.idle:
+            state = "idle — workload done (press w)"
+        else:
+            state = "paused" if self.paused else "running"
+        loop = " · overlap loop" if v.overlap else " · normal loop" if v.has_snapshots else ""
+        line = f"{state} · after iter {v.iteration}{loop} · {self.subtitle_base}"
+        if hs is not None:
+            line += " · " + (f"workload{'s' if len(hs.workloads) > 1 else ''} {' + '.join(hs.workloads)}"
+                             if hs.workloads else f"workload {hs.last_workload} done")
+            if hs.next_arrival is not None and not hs.idle:
+                line += f" · next arrival: {hs.next_arrival[0]} at iter {hs.next_arrival[1]}"
+        return line
 
     def _show_top_line(self, text: str) -> None:
         # not App.sub_title: setting that reactive repaints the whole screen
         self.query_one("#titlebar", TitleBar).show(self.title, text)
 
+    def _throughput(self, v: View) -> float:
+        """The view's tok/s, or, live and running when no iteration ran for a while, the
+        rate over the last THROUGHPUT_WINDOW seconds up to now (0 once a window passed)."""
+        builder = self.feed.builder if self.feed is not None else None
+        if self.paused or builder is None or builder.last_ts is None or v.iteration != self.feed.latest_iteration():
+            return v.throughput  # (paused: the rate as of the iteration on screen)
+        now = monotonic()
+        return builder.throughput_at(now) if now - builder.last_ts >= DECAY_REDRAW else v.throughput
+
     def _render_pool(self, v: View) -> None:
+        self._pool_drawn = monotonic()
         pool = self.query_one("#pool", TextLines)
         if not v.has_snapshots:
             pool.set_lines([Text("this recording has no scheduler snapshots:"),
@@ -513,10 +335,13 @@ class SchedulerApp(App):
         box = self.query_one("#poolbox")
         if box.border_title != title:  # setting it repaints the whole panel
             box.border_title = title
+        stop = ADMISSION_WORDS.get(v.admission_stop, v.admission_stop) if v.admission_stop else "-"
+        if v.admission_stop and pool.size.width >= 36:
+            stop += f" ({v.admission_stop})"
         pool.set_lines([bar] + [Text(line) for line in (
             f"used {used} free {v.pool_free}", f"cached {v.pool_evictable} usage {v.token_usage:.2f}",
-            f"hit {v.cache_hit_rate:.2f} retracted {v.retractions}", f"ratio {v.new_token_ratio:.3f} {v.policy}",
-            f"stop {v.admission_stop or '-'}", f"{v.throughput:.1f} tok/s done {v.finished}")])
+            f"hit {v.cache_hit_rate:.2f} retracted {v.retractions}", f"new_token_ratio {v.new_token_ratio:.3f}",
+            f"admit: {stop}", f"{self._throughput(v):.1f} tok/s")])
         self.query_one("#hit", TextSparkline).show(v.hit_rate_history, top=1.0)
         self.query_one("#tput", TextSparkline).show(v.throughput_history)
 
@@ -526,11 +351,11 @@ class SchedulerApp(App):
         self._slow_drawn, self._slow_stale = monotonic(), False
 
     def _render_tree(self, v: View) -> None:
-        key = (v.tree, v.matched_path)
+        key = (v.tree, v.matched_path, self.tree_as_text)
         if key == self._tree_key:
             return  # rebuilding the widget is the costly part of a frame
         self._tree_key = key
-        self.query_one("#tree", RadixTreeView).show(v.tree, v.matched_path)
+        self.query_one("#tree", RadixTreeView).show(v.tree, v.matched_path, self.tree_as_text)
 
     def _render_log(self, v: View) -> None:
         log = self.query_one("#log", RichLog)
@@ -572,7 +397,7 @@ class SchedulerApp(App):
         self._ask("prompt", "prompt, then Enter (Esc to cancel)")
 
     def action_add_workload(self) -> None:
-        self._ask("workload", "workload: demo, shared-prefix, long-prompts, pool-pressure, steady or a .jsonl file")
+        self._ask("workload", f"workload: {', '.join(BUILTIN)} or a .jsonl file (Esc cancels)")
 
     def _ask(self, mode: str, placeholder: str) -> None:
         self._input_mode = mode
@@ -591,6 +416,11 @@ class SchedulerApp(App):
         if not text:
             return
         if self._input_mode == "workload":
+            try:
+                load(text)  # a bad name or file is said here, in full, not sent
+            except ValueError as e:
+                self.notify(str(e), title="workload", severity="error", timeout=10)
+                return
             self.feed.connection.send("workload", text)
         else:
             self.feed.connection.send("submit", {"messages": [{"role": "user", "content": text}],
@@ -610,7 +440,8 @@ class SchedulerApp(App):
         v = self.last_view
         if v is None:
             return
-        rids = [r[0] for r in v.running] + [r[0] for r in v.waiting]
+        hs = self.host_state
+        rids = [r[0] for r in v.running] + [r[0] for r in v.waiting] + list(hs.arriving if hs else ())
         rids += [rid for rid in reversed(self.requests) if rid not in rids]  # then the most recent others
         if not rids:
             return
@@ -632,7 +463,19 @@ class SchedulerApp(App):
             return
         screen = DetailScreen(self.selected)
         self.push_screen(screen)
-        self.call_after_refresh(screen.show, self.requests.get(self.selected), self.last_view)
+        hs = self.host_state
+        self.call_after_refresh(screen.show, self.requests.get(self.selected), self.last_view,
+                                hs is not None and self.selected in hs.arriving)
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen(self.BINDINGS, replay=self.replay))
+
+    def action_toggle_tree_text(self) -> None:
+        self.tree_as_text = not self.tree_as_text
+        self.notify("radix tree: " + ("text" if self.tree_as_text else "token ids"), timeout=2)
+        if self.last_view is not None:
+            self._render_tree(self.last_view)
 
     def on_unmount(self) -> None:
         gc.unfreeze()  # back to the collector (tests make many apps in one process)

@@ -21,24 +21,42 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
+NOT_A_TERMINAL = ("sglite tui draws in a terminal, and {what} is not one (piped or redirected): run it "
+                  "without | or >; to keep a run, add --record FILE and view it with sglite tui --replay FILE")
+
+
+def check_terminal() -> None:
+    """The screen needs a terminal on both ends: a pipe would get escape codes drawn
+    for a made-up 80x24, and keys could not reach it."""
+    for what, stream in (("stdout", sys.stdout), ("stdin", sys.stdin)):
+        if stream is None or not stream.isatty():
+            raise ValueError(NOT_A_TERMINAL.format(what=what))
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.replay:
         return _replay(args.replay)
+    import dataclasses
+
+    from sglite.cli import check_engine_args
     from sglite.server_args import ServerArgs
-    from tui.app import LiveFeed, SchedulerApp
-    from tui.host import serve_in_process, yield_cpu_to_engine
     from tui.workloads import load
 
-    try:
-        workload = load(args.workload)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    defaults = ServerArgs()
-    kwargs = vars(ServerArgs.from_cli_args(args))
+    # every argument is checked before anything loads (main prints the ValueError)
+    workload = load(args.workload)
+    kwargs = vars(check_engine_args(args))
+    defaults = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
     for k, v in workload.server_args.items():  # the scenario's needs, unless given on the command line
-        if kwargs.get(k) == getattr(defaults, k):
+        if getattr(args, k) == defaults[k]:
             kwargs[k] = v
+    check_terminal()
+    return _live(args, kwargs)
+
+
+def _live(args: argparse.Namespace, kwargs: dict) -> int:
+    from tui.app import LiveFeed, SchedulerApp
+    from tui.host import serve_in_process, yield_cpu_to_engine
+
     kwargs["log_level"] = "error"  # log lines would tear the screen; the events panel shows them
     print(f"sglite tui: loading {kwargs['model_path']} in the engine process ...", file=sys.stderr, flush=True)
     viewer_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
@@ -50,8 +68,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     yield_cpu_to_engine(connection)
-    title = f"{info['model']} · workload {info['workload']}"
-    SchedulerApp(LiveFeed(connection, info), title=title, paused=args.paused).run()
+    SchedulerApp(LiveFeed(connection, info), title=info["model"], paused=args.paused).run()
     return 0
 
 
@@ -78,5 +95,6 @@ def _replay(path: str) -> int:
     if not views:
         print(f"error: {path} holds no scheduler iterations", file=sys.stderr)
         return 1
+    check_terminal()
     SchedulerApp(views=views, builder=builder, title=f"replay {path}").run()
     return 0

@@ -4,7 +4,9 @@ workload). ``sglite tui`` runs it in a process of its own, as SGLang runs its
 scheduler, so drawing never competes with the engine for the interpreter; tests run the
 same loop on a thread, or call ``step()`` by hand.
 
-Messages to the screen: ``("events", [Event, ...])``, ``("log", text)``, ``("ready",
+Messages to the screen: ``("events", [Event, ...])``, ``("log", text)``, ``("state",
+HostState)`` whenever what the host holds changes (requests submitted but not yet
+received by the scheduler, workloads with work left, running/paused/idle), ``("ready",
 info)`` once the model is loaded, ``("error", text)``.
 Commands from it: ``("run",)``, ``("pause",)``, ``("step",)``, ``("submit", kwargs)``,
 ``("policy", name)``, ``("workload", name_or_path)``, ``("quit",)``.
@@ -29,6 +31,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 from sglite import events as ev
@@ -39,14 +42,31 @@ SHIP_INTERVAL = 0.05  # seconds between shipments while running: at most 20 scre
 SCREEN_NICE = 10  # how much the screen lowers its CPU priority below the engine's (see yield_cpu_to_engine)
 
 
+@dataclass(frozen=True)
+class HostState:
+    """What the screen cannot learn from the scheduler's events: what the host holds."""
+
+    running: bool  # stepping by itself (not paused)
+    idle: bool  # no request in the scheduler and no arrival to come
+    arriving: tuple[str, ...]  # submitted, not yet taken in by recv_requests
+    workloads: tuple[str, ...]  # workloads with arrivals to come or requests unfinished
+    last_workload: str  # the workload started last
+    next_arrival: tuple[int, int] | None  # (requests, iteration) of the next workload arrival
+
+
 class EngineHost:
     def __init__(self, engine: Any, workload: Workload, outbox: Any, paused: bool = False):
         self.engine = engine
         self.outbox = outbox
-        self.pending: list[Arrival] = sorted(workload.arrivals, key=lambda a: a.at)
+        self.pending: list[Arrival] = sorted(workload.shifted(0, source=workload.name), key=lambda a: a.at)
         self.running = not paused
+        self.last_workload = workload.name
+        self.started: list[str] = [workload.name]  # workloads (and "typed prompt") in the order they began
+        self.arriving: list[str] = []  # rids submitted and not yet received by the scheduler
+        self.unfinished: dict[str, str] = {}  # rid -> the workload (or "prompt") it came from
         self._events: list[ev.Event] = []
         self._shipped_at = time.monotonic()
+        self._state_sent: HostState | None = None
         engine.event_bus.subscribe(self._events.append)
 
     def _log(self, text: str) -> None:
@@ -59,9 +79,11 @@ class EngineHost:
         it = self.engine.scheduler.iteration
         while self.pending and self.pending[0].at <= it:
             a = self.pending.pop(0)
-            self.engine.submit(a.prompt, input_ids=a.input_ids, messages=a.messages,
-                               sampling_params={"max_new_tokens": a.max_new_tokens, "temperature": 0,
-                                                "ignore_eos": a.ignore_eos})
+            rid = self.engine.submit(a.prompt, input_ids=a.input_ids, messages=a.messages,
+                                     sampling_params={"max_new_tokens": a.max_new_tokens, "temperature": 0,
+                                                      "ignore_eos": a.ignore_eos})
+            self.arriving.append(rid)
+            self.unfinished[rid] = a.source
 
     def step(self) -> None:
         """One scheduler iteration, shipped to the screen at once."""
@@ -78,8 +100,10 @@ class EngineHost:
         did not emit one: the state after an iteration is the state until the next)."""
         self._shipped_at = time.monotonic()
         if not self._events:
+            self.send_state()
             return
         events, self._events[:] = list(self._events), []
+        self._track(events)
         last = next((i for i in range(len(events) - 1, -1, -1) if isinstance(events[i], ev.IterationFinished)), None)
         if last is not None:
             it = events[last].iteration
@@ -87,6 +111,29 @@ class EngineHost:
             if not has_snapshot:
                 events.insert(last, self.engine.scheduler.snapshot())
         self.outbox.put(("events", events))
+        self.send_state()
+
+    def _track(self, events: list[ev.Event]) -> None:
+        """Requests the scheduler took in, and those that ended."""
+        for e in events:
+            if isinstance(e, (ev.ReqArrived, ev.ReqAborted)) and e.rid in self.arriving:
+                self.arriving.remove(e.rid)
+            if isinstance(e, (ev.ReqFinished, ev.ReqAborted)):
+                self.unfinished.pop(e.rid, None)
+
+    def state(self) -> HostState:
+        active = {a.source for a in self.pending} | set(self.unfinished.values())
+        names = [n for n in dict.fromkeys(self.started) if n in active]
+        nxt = [a for a in self.pending if a.at == self.pending[0].at] if self.pending else []
+        return HostState(self.running, self.idle(), tuple(self.arriving), tuple(names), self.last_workload,
+                         (len(nxt), nxt[0].at) if nxt else None)
+
+    def send_state(self) -> None:
+        """Tell the screen what the host holds, when it changed."""
+        state = self.state()
+        if state != self._state_sent:
+            self._state_sent = state
+            self.outbox.put(("state", state))
 
     def handle(self, cmd: tuple) -> bool:
         """Apply a command; False means quit."""
@@ -101,13 +148,24 @@ class EngineHost:
             self.running = False
             self.step()
         elif kind == "submit":
-            rid = self.engine.submit(**cmd[1])
-            self._log(f"submitted {rid}")
+            self._submit(cmd[1])
         elif kind == "policy":
             self._set_policy(cmd[1])
         elif kind == "workload":
             self._add_workload(cmd[1])
+        self.send_state()
         return True
+
+    def _submit(self, kwargs: dict[str, Any]) -> None:
+        try:
+            rid = self.engine.submit(**kwargs)
+        except ValueError as e:  # (bad input otherwise comes back as the request's own error)
+            self._log(f"[red]error[/] {e}")
+            return
+        self.arriving.append(rid)
+        self.unfinished[rid] = "typed prompt"
+        self.started.append("typed prompt")
+        self._log(f"submitted {rid}")
 
     def _set_policy(self, name: str) -> None:
         self.engine.scheduler.set_schedule_policy(name)
@@ -120,8 +178,10 @@ class EngineHost:
             self._log(f"[red]error[/] {e}")
             return
         now = self.engine.scheduler.iteration
-        arrivals = wl.shifted(now)
+        arrivals = wl.shifted(now, source=wl.name)
         self.pending = sorted(self.pending + arrivals, key=lambda a: a.at)
+        self.last_workload = wl.name
+        self.started.append(wl.name)
         self._log(f"workload {wl.name}: {len(arrivals)} requests")
 
     def serve(self, inbox: Any) -> None:

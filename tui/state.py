@@ -9,6 +9,7 @@ rest (plan, log, counters, request timelines) from the ordinary events.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,10 @@ from sglite import events as ev
 
 HISTORY = 120  # points kept for the hit-rate and throughput sparklines
 LOG_KEEP = 200
+# why admission stopped (AdmissionStopped.reason) in plain words
+ADMISSION_WORDS = {"EMPTY_QUEUE": "queue empty", "NO_TOKEN": "KV pool full", "OTHER": "prefill budget spent",
+                   "MAX_RUNNING_REQUESTS": "max running reqs", "IN_BATCH_PREFIX_WAIT": "waits on a shared prefix"}
+THROUGHPUT_WINDOW = 2.0  # seconds of output tokens the tok/s figure averages over
 
 
 @dataclass
@@ -26,9 +31,13 @@ class ReqInfo:
     rid: str
     prompt_tokens: int = 0
     max_new_tokens: int = 0
+    ignore_eos: bool = False
     text: list[tuple[int, str]] = field(default_factory=list)
     output_tokens: list[tuple[int, int]] = field(default_factory=list)  # (iteration, tokens so far)
     timeline: list[tuple[int, str]] = field(default_factory=list)
+    retracted: list[int] = field(default_factory=list)  # iterations it was retracted in
+    chunks: list[tuple[int, int, int]] = field(default_factory=list)  # (iteration, computed, total)
+    ended: tuple[int, str] | None = None  # (iteration, "finished: length" / "aborted: why")
 
     def text_at(self, iteration: int) -> str:
         return "".join(t for it, t in self.text if it <= iteration)
@@ -38,6 +47,30 @@ class ReqInfo:
 
     def timeline_at(self, iteration: int) -> list[tuple[int, str]]:
         return [(it, what) for it, what in self.timeline if it <= iteration]
+
+    def state_at(self, view: "View") -> str:
+        """Where the request is after ``view``'s iteration, in the scheduler's words,
+        with the counts that go with it."""
+        it, rid = view.iteration, self.rid
+        if not self.timeline_at(it):
+            return "not arrived yet at this iteration"
+        out = f"{self.tokens_at(it)}/{self.max_new_tokens} output tokens"
+        retracts = sum(1 for r in self.retracted if r <= it)
+        again = f", retracted {retracts}x" if retracts else ""
+        if self.ended is not None and self.ended[0] <= it:
+            return f"{self.ended[1]} at iter {self.ended[0]}, {out}{again}"
+        if not view.has_snapshots:
+            return f"in the scheduler (this recording has no snapshots), {out}{again}"
+        if view.chunked_rid == rid:
+            done = next(((c, t) for i, c, t in reversed(self.chunks) if i <= it), None)
+            part = f" {done[0]}/{done[1]} prompt tokens computed" if done else ""
+            return f"chunked (chunked_req: prefill continues next round;{part}){again}"
+        if any(r[0] == rid for r in view.running):
+            return f"running (running_batch), {out}{again}"
+        if any(w[0] == rid for w in view.waiting):
+            why = "retracted: back in waiting_queue, output kept, KV recomputed" if retracts else "waiting (waiting_queue)"
+            return f"{why}, {out}{again}"
+        return f"between queues, {out}{again}"
 
 
 @dataclass
@@ -99,8 +132,9 @@ class ViewBuilder:
         self._tree: tuple[ev.TreeNodeRow, ...] = ()
         self._plan: ev.BatchPlanned | None = None
         self._tokens = 0  # output tokens emitted this iteration
-        self._last_ts: float | None = None
-        self._rate: list[tuple[float, int]] = []  # (seconds, tokens) of recent iterations
+        self._first_ts: float | None = None
+        self._rate: deque[tuple[float, int]] = deque()  # (end ts, output tokens) of recent iterations
+        self.last_ts: float | None = None  # when the newest iteration ended (monotonic)
         self.hit_rate_history: list[float] = []
         self.throughput_history: list[float] = []
 
@@ -114,48 +148,16 @@ class ViewBuilder:
 
     def apply(self, e: ev.Event) -> View | None:
         it = e.iteration
-        if isinstance(e, ev.ReqArrived):
-            r = self._req(e.rid)
-            r.prompt_tokens, r.max_new_tokens = e.prompt_tokens, e.max_new_tokens
-            r.timeline.append((it, f"arrived, {e.prompt_tokens} prompt tokens"))
-            self.queued_at[e.rid] = it
-        elif isinstance(e, ev.ReqAdmitted):
-            what = f"admitted: prefix {e.prefix_len} cached, +{e.extend_len} computed" + (" (chunk)" if e.chunked else "")
-            self._req(e.rid).timeline.append((it, what))
-            if e.prefix_len:
-                self.add_log(it, f"[green]hit[/] {e.rid} {e.prefix_len} cached +{e.extend_len}")
-        elif isinstance(e, ev.ReqChunked):
-            self._req(e.rid).timeline.append((it, f"chunk {e.chunk_index} done, {e.computed_len}/{e.total_len}"))
-            self.add_log(it, f"[cyan]chunk[/] {e.rid} #{e.chunk_index} {e.computed_len}/{e.total_len}")
-        elif isinstance(e, ev.ReqRetracted):
-            self.retractions += 1
-            self.queued_at[e.rid] = it
-            self._req(e.rid).timeline.append((it, f"retracted at {e.output_tokens} tokens"))
-            self.add_log(it, f"[red]retract[/] {e.rid} at {e.output_tokens} tok, "
-                             f"new_token_ratio {e.old_new_token_ratio:.3f}->{e.new_token_ratio:.3f}")
-        elif isinstance(e, ev.ReqFinished):
-            self.finished += 1
-            self._req(e.rid).timeline.append((it, f"finished: {e.reason}, {e.completion_tokens} tokens"))
-            self.add_log(it, f"done {e.rid} {e.reason} {e.completion_tokens} tok")
-        elif isinstance(e, ev.ReqAborted):
-            self._req(e.rid).timeline.append((it, f"aborted: {e.reason}"))
-            self.add_log(it, f"[red]abort[/] {e.rid}: {e.reason}")
-        elif isinstance(e, ev.TokensEmitted):
-            r = self._req(e.rid)
-            if not r.output_tokens:
-                r.timeline.append((it, "first token"))
-            n = (r.output_tokens[-1][1] if r.output_tokens else 0) + len(e.token_ids)
-            r.output_tokens.append((it, n))
-            if e.text:
-                r.text.append((it, e.text))
-            self._tokens += len(e.token_ids)
+        if isinstance(e, (ev.ReqArrived, ev.ReqAdmitted, ev.ReqChunked, ev.ReqRetracted, ev.ReqFinished,
+                          ev.ReqAborted, ev.TokensEmitted)):
+            self._apply_req(e, self._req(e.rid))
         elif isinstance(e, ev.CacheEvicted):
             self.add_log(it, f"[yellow]evict[/] {e.num_tokens} tok, {e.num_nodes} nodes")
         elif isinstance(e, ev.AdmissionStopped):
             self.admission_stop = e.reason
             shown = e.reason if e.waiting else ""
             if shown != self._last_stop_logged and shown not in ("", "EMPTY_QUEUE"):
-                self.add_log(it, f"admission stops: {shown}, {e.waiting} waiting")
+                self.add_log(it, f"admission stops: {ADMISSION_WORDS.get(shown, shown)} ({shown}), {e.waiting} waiting")
             self._last_stop_logged = shown
         elif isinstance(e, ev.BatchPlanned):
             self._plan = e
@@ -167,13 +169,62 @@ class ViewBuilder:
             return self._finish_iteration(e)
         return None
 
+    def _apply_req(self, e: Any, r: ReqInfo) -> None:
+        """One request's event: its story (detail screen), the log, the counters."""
+        it = e.iteration
+        if isinstance(e, ev.ReqArrived):
+            r.prompt_tokens, r.max_new_tokens, r.ignore_eos = e.prompt_tokens, e.max_new_tokens, e.ignore_eos
+            r.timeline.append((it, f"arrived, {e.prompt_tokens} prompt tokens"
+                                   + (", ignore_eos (decodes all max_new_tokens)" if e.ignore_eos else "")))
+            self.queued_at[e.rid] = it
+        elif isinstance(e, ev.ReqAdmitted):
+            what = f"admitted: prefix {e.prefix_len} cached, +{e.extend_len} computed" + (" (chunk)" if e.chunked else "")
+            r.timeline.append((it, what))
+            if e.prefix_len:
+                self.add_log(it, f"[green]hit[/] {e.rid}: {e.prefix_len} cached + {e.extend_len} new")
+        elif isinstance(e, ev.ReqChunked):
+            r.chunks.append((it, e.computed_len, e.total_len))
+            r.timeline.append((it, f"chunk {e.chunk_index} done, {e.computed_len}/{e.total_len}"))
+            self.add_log(it, f"[cyan]chunk[/] {e.rid} #{e.chunk_index} {e.computed_len}/{e.total_len}")
+        elif isinstance(e, ev.ReqRetracted):
+            self.retractions += 1
+            self.queued_at[e.rid] = it
+            r.retracted.append(it)
+            r.timeline.append((it, f"retracted at {e.output_tokens} tokens"))
+            self.add_log(it, f"[red]retract[/] {e.rid} at {e.output_tokens} tok, "
+                             f"new_token_ratio {e.old_new_token_ratio:.3f}->{e.new_token_ratio:.3f}")
+        elif isinstance(e, ev.ReqFinished):
+            self.finished += 1
+            r.ended = (it, f"finished: {e.reason}")
+            r.timeline.append((it, f"finished: {e.reason}, {e.completion_tokens} tokens"))
+            self.add_log(it, f"done {e.rid} {e.reason} {e.completion_tokens} tok")
+        elif isinstance(e, ev.ReqAborted):
+            r.ended = (it, f"aborted: {e.reason}")
+            r.timeline.append((it, f"aborted: {e.reason}"))
+            self.add_log(it, f"[red]abort[/] {e.rid}: {e.reason}")
+        else:  # TokensEmitted
+            if not r.output_tokens:
+                r.timeline.append((it, "first token"))
+            r.output_tokens.append((it, (r.output_tokens[-1][1] if r.output_tokens else 0) + len(e.token_ids)))
+            if e.text:
+                r.text.append((it, e.text))
+            self._tokens += len(e.token_ids)
+
+    def throughput_at(self, now: float) -> float:
+        """Output tokens a second over the THROUGHPUT_WINDOW seconds before ``now`` (less
+        at the very start): 0 once nothing has run for a whole window."""
+        span = min(THROUGHPUT_WINDOW, now - self._first_ts) if self._first_ts is not None else 0.0
+        return sum(n for ts, n in self._rate if ts > now - THROUGHPUT_WINDOW) / span if span > 0 else 0.0
+
     def _finish_iteration(self, e: ev.IterationFinished) -> View:
         it = e.iteration
-        if self._last_ts is not None:
-            self._rate = (self._rate + [(e.ts - self._last_ts, self._tokens)])[-20:]
-        self._last_ts, self._tokens = e.ts, 0
-        seconds = sum(dt for dt, _ in self._rate)
-        throughput = sum(n for _, n in self._rate) / seconds if seconds > 0 else 0.0
+        if self._first_ts is None:
+            self._first_ts = e.ts
+        self._rate.append((e.ts, self._tokens))
+        while self._rate[0][0] <= e.ts - THROUGHPUT_WINDOW:  # (the newest always stays)
+            self._rate.popleft()
+        self.last_ts, self._tokens = e.ts, 0
+        throughput = self.throughput_at(e.ts)
         self.hit_rate_history = (self.hit_rate_history + [e.cache_hit_rate])[-HISTORY:]
         self.throughput_history = (self.throughput_history + [throughput])[-HISTORY:]
         plan, rows = [], 0

@@ -1,6 +1,6 @@
 """Workloads for the TUI: who arrives when. Built in by name, or a JSONL file with one
 request per line: {"at": <iteration>, "prompt": "..."} or {"at": 3, "input_ids": [...]},
-optional "max_new_tokens"."""
+optional "max_new_tokens" and "ignore_eos"."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ class Arrival:
     input_ids: list[int] | None = None
     max_new_tokens: int = 48
     ignore_eos: bool = False  # decode the whole budget (pressure scenarios)
+    source: str = ""  # the workload it belongs to (the screen's title names those with work left)
 
 
 @dataclass
@@ -36,9 +37,9 @@ class Workload:
     arrivals: list[Arrival]
     server_args: dict[str, Any] = field(default_factory=dict)  # what the scenario needs (a small pool...)
 
-    def shifted(self, by: int) -> list[Arrival]:
-        """The arrivals, each ``by`` iterations later."""
-        return [dataclasses.replace(a, at=a.at + by) for a in self.arrivals]
+    def shifted(self, by: int, source: str = "") -> list[Arrival]:
+        """The arrivals, each ``by`` iterations later (and marked as ``source``'s)."""
+        return [dataclasses.replace(a, at=a.at + by, source=source or a.source) for a in self.arrivals]
 
 
 def _chat(q: str) -> list[dict[str, str]]:
@@ -86,8 +87,11 @@ def load(name_or_path: str) -> Workload:
             continue
         try:
             d = json.loads(line)
+            if not isinstance(d.get("ignore_eos", False), bool):
+                raise ValueError("ignore_eos must be true or false")
             arrivals.append(Arrival(at=int(d.get("at", 0)), prompt=d.get("prompt"), input_ids=d.get("input_ids"),
-                                    messages=d.get("messages"), max_new_tokens=int(d.get("max_new_tokens", 48))))
+                                    messages=d.get("messages"), max_new_tokens=int(d.get("max_new_tokens", 48)),
+                                    ignore_eos=d.get("ignore_eos", False)))
         except (ValueError, TypeError, AttributeError) as e:
             raise ValueError(f"{path}:{n}: not a workload line ({e})") from None
     return Workload(path.stem, f"from {path}", arrivals)

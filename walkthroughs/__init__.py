@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import importlib
+
 from walkthroughs.core import Narrator, Walkthrough, WalkthroughFailed
 
 
+# walkthrough name -> its module, in teaching order (a name is checked without importing
+# the lessons, which load torch)
+MODULES = {"event-loop": "event_loop", "two-requests": "two_requests", "chunked-prefill": "chunked_prefill",
+           "retract": "retract", "mixed": "mixed", "radix-cache": "radix_cache", "growing-queue": "growing_queue",
+           "tracing": "tracing_walk", "overlap": "overlap"}
+
+
 def registry() -> dict[str, Walkthrough]:
-    from walkthroughs import (chunked_prefill, event_loop, growing_queue, mixed, overlap, radix_cache, retract,
-                              tracing_walk, two_requests)
-
-    items = [m.WALKTHROUGH for m in (event_loop, two_requests, chunked_prefill, retract, mixed, radix_cache,
-                                     growing_queue, tracing_walk, overlap)]
-    return {w.name: w for w in items}
+    items = {name: importlib.import_module(f"walkthroughs.{module}").WALKTHROUGH for name, module in MODULES.items()}
+    for name, w in items.items():
+        assert w.name == name, (name, w.name)  # MODULES names each lesson as it names itself
+    return items
 
 
-__all__ = ["Narrator", "Walkthrough", "WalkthroughFailed", "registry"]
+__all__ = ["MODULES", "Narrator", "Walkthrough", "WalkthroughFailed", "registry"]

@@ -17,17 +17,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from walkthroughs import Narrator, WalkthroughFailed, registry
+    from walkthroughs import MODULES, Narrator, WalkthroughFailed, registry
 
+    if args.name != "list" and args.name not in MODULES:
+        print(f"error: no walkthrough {args.name!r}; known: {', '.join(MODULES)}", file=sys.stderr)
+        return 2
     items = registry()
     if args.name == "list":
         for w in items.values():
             print(f"{w.name:<18}{w.teaches_zh if args.lang == 'zh' else w.teaches_en}  ({w.seed})")
         return 0
-    w = items.get(args.name)
-    if w is None:
-        print(f"error: no walkthrough {args.name!r}; known: {', '.join(items)}", file=sys.stderr)
-        return 2
+    w = items[args.name]
     narrator = Narrator(lang=args.lang, out_dir=Path(args.out) / w.name, png=args.png)
     try:
         w.run(narrator)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from sglite.managers.tp_worker import GenerationBatchResult
 
 logger = logging.getLogger("sglite")
+KEY_TEXT_MEMO = 10_000  # decoded radix-node heads kept (then the memo starts again)
 
 
 class SchedulerObserver:
@@ -30,10 +31,12 @@ class SchedulerObserver:
         self.total_hit_tokens = 0
         self.total_input_tokens = 0
         self.num_generated_tokens = 0  # since the last Decode batch. line
+        self.last_gen_throughput = 0.0  # tokens/s as that line reported it (sglang:gen_throughput)
         self.forward_ct_decode = 0
         self.last_decode_stats_tic = time.perf_counter()
         self.last_matched_node_id = 0  # radix node where the latest admission's prefix match ended
         self._last_tree: tuple[ev.TreeNodeRow, ...] | None = None
+        self._key_texts: dict[tuple[int, ...], str] = {}  # a radix node's key_head -> its text
         # the phases of the current iteration (time.monotonic), for IterationFinished
         self._started = self._scheduled = self._launched = self._resolved = 0.0
         self._processed_bid = 0
@@ -59,7 +62,7 @@ class SchedulerObserver:
         p = req.sampling_params
         self.event_bus.emit(ev.ReqArrived, rid=req.rid, prompt_tokens=len(req.origin_input_ids),
                             max_new_tokens=p.max_new_tokens, temperature=temperature, top_p=p.top_p,
-                            top_k=p.top_k if p.top_k < TOP_K_ALL else -1)
+                            top_k=p.top_k if p.top_k < TOP_K_ALL else -1, ignore_eos=p.ignore_eos)
 
     def on_req_aborted(self, rid: str, reason: str) -> None:
         self.event_bus.emit(ev.ReqAborted, rid=rid, reason=reason)
@@ -147,6 +150,7 @@ class SchedulerObserver:
         now = time.perf_counter()
         throughput = self.num_generated_tokens / max(now - self.last_decode_stats_tic, 1e-9)
         self.num_generated_tokens, self.last_decode_stats_tic = 0, now
+        self.last_gen_throughput = throughput
         logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
                     "#queue-req: %d", batch.batch_size(), self.num_used_tokens(), self.token_usage(), throughput,
                     len(self.scheduler.waiting_queue))
@@ -179,6 +183,17 @@ class SchedulerObserver:
             cache_hit_rate=self.cache_hit_rate(), new_token_ratio=s.new_token_ratio,
         )
 
+    def _key_text(self, key_head: tuple[int, ...]) -> str:
+        """A node's first tokens as text, special tokens included (the TUI shows the
+        tree as text; a node's key is fixed, so each is decoded once)."""
+        text = self._key_texts.get(key_head)
+        if text is None:
+            if len(self._key_texts) > KEY_TEXT_MEMO:
+                self._key_texts.clear()
+            text = self.scheduler.tokenizer.decode(list(key_head), skip_special_tokens=False)
+            self._key_texts[key_head] = text
+        return text
+
     def snapshot(self, full_tree: bool = True) -> ev.SchedulerSnapshot:
         """A SchedulerSnapshot of the state now (between iterations it is the state after
         the last one). ``full_tree=False`` leaves the tree out when it has not changed
@@ -192,6 +207,8 @@ class SchedulerObserver:
             changed = tree != self._last_tree
             self._last_tree = tree
             tree = tree if changed else None
+        if tree is not None and s.tokenizer is not None:
+            tree = tuple(row._replace(key_text=self._key_text(row.key_head)) for row in tree)
         return ev.SchedulerSnapshot(
             iteration=s.iteration, waiting=waiting, running=running,
             chunked_rid=s.chunked_req.rid if s.chunked_req is not None else "",

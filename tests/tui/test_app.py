@@ -73,7 +73,7 @@ def test_panels_after_the_first_retract():
             assert [r[0] for r in table_rows(app, "running")] == [r.rid for r in sched.running_reqs()]
             plan = table_rows(app, "plan")
             assert [r[0] for r in plan] == [r.rid for r in sched.cur_batch.reqs]
-            assert app.query_one("#plan").border_title.startswith(f"this round #{sched.forward_ct}: "
+            assert app.query_one("#plan").border_title.startswith(f"iter {sched.iteration} ran #{sched.forward_ct}: "
                                                                  f"{sched.cur_batch.forward_mode.name}")
             assert app.query_one("#plan").border_subtitle == f"#{sched.forward_ct} in flight, #{sched.forward_ct - 1} processed"
             pool = app.query_one("#pool").plain
@@ -151,7 +151,7 @@ def test_views_match_the_scheduler_at_every_iteration(overlap):
     sched = engine.scheduler
     for _ in range(400):
         host.step()
-        (view,) = [v for _, evs in conn.drain() for v in map(builder.apply, evs) if v is not None]
+        (view,) = [v for kind, evs in conn.drain() if kind == "events" for v in map(builder.apply, evs) if v is not None]
         assert view.iteration == sched.iteration
         assert [(w[0], w[2]) for w in view.waiting] == [(r.rid, len(r.prefix_indices)) for r in sched.waiting_queue]
         assert [(r[0], r[1]) for r in view.running] == [(r.rid, r.seqlen) for r in sched.running_reqs()]
@@ -230,7 +230,7 @@ def test_a_pause_ships_what_ran_before_it():
                 break
             time.sleep(0.05)
         time.sleep(0.2)  # nothing runs while paused
-        assert conn.drain() == [] and last.iteration == engine.scheduler.iteration and last.has_snapshots
+        assert [m for m in conn.drain() if m[0] == "events"] == [] and last.iteration == engine.scheduler.iteration and last.has_snapshots
         sched = engine.scheduler
         assert [r[0] for r in last.running] == [r.rid for r in sched.running_reqs()]
         assert [w[0] for w in last.waiting] == [r.rid for r in sched.waiting_queue]
@@ -433,6 +433,8 @@ def test_engine_process_runs_and_reports_load_errors(tmp_path):
     assert info["model"] == "tiny-random" and info["overlap"] is True
     conn.send("step")
     msg = conn.outbox.get(timeout=60)
+    while msg[0] == "state":  # (what the host holds, sent when it changes)
+        msg = conn.outbox.get(timeout=60)
     assert msg[0] == "events" and any(isinstance(e, ev.IterationFinished) for e in msg[1])
     conn.close()
     assert not conn.worker.is_alive()
@@ -451,29 +453,42 @@ def test_workload_file_and_errors(tmp_path):
         load(str(bad))
 
 
-def snapshot_app(steps: int):
-    """A live screen after ``steps`` iterations; event times are replaced by the
-    iteration number, so the throughput shown is the same on every machine."""
+def snapshot_app(steps: int, then: str = ""):
+    """A live screen after ``steps`` iterations (``steps`` -1: until the workload is done),
+    then ``then``: "arriving" (a prompt submitted while paused) or "help" (the ? screen).
+    Event times are replaced by the iteration number, so the throughput shown is the same
+    on every machine."""
     engine = make_engine(disable_overlap_schedule=False)
     host, conn = by_hand(engine)
-    for _ in range(steps):
+    for _ in range(steps if steps >= 0 else 2000):
+        if steps < 0 and host.idle():
+            break
         host.step()
-    msgs = [(kind, [dataclasses.replace(e, ts=float(e.iteration)) for e in payload]) for kind, payload in conn.drain()]
+    if then == "arriving":
+        host.handle(("submit", {"prompt": "Why is the sky blue?", "sampling_params": {"max_new_tokens": 8}}))
+    msgs = [(kind, [dataclasses.replace(e, ts=float(e.iteration)) for e in payload] if kind == "events" else payload)
+            for kind, payload in conn.drain()]
     for m in msgs:
         conn.outbox.put(m)
-    app = SchedulerApp(LiveFeed(conn, {}), title="tiny-random · workload pool-pressure", paused=True)
+    app = SchedulerApp(LiveFeed(conn, {}), title="tiny-random", paused=True)
 
     async def show(pilot):
         app._tick()
         await pilot.pause()
+        if then == "help":
+            await pilot.press("question_mark")
+            await pilot.pause()
 
     return app, show
 
 
-@pytest.mark.parametrize("steps,size", [(3, (200, 50)), (60, (200, 50)), (60, (80, 24))])
-def test_main_screen_snapshots(snap_compare, steps, size):
-    """Fixed states: after the first prefills, and past the first retraction."""
-    app, show = snapshot_app(steps)
+@pytest.mark.parametrize("steps,then,size", [(3, "", (200, 50)), (60, "", (200, 50)), (60, "", (80, 24)),
+                                             (5, "arriving", (80, 24)), (-1, "", (200, 50)), (-1, "", (80, 24)),
+                                             (60, "help", (80, 24)), (60, "help", (200, 50))])
+def test_main_screen_snapshots(snap_compare, steps, then, size):
+    """Fixed states: after the first prefills, past the first retraction, a prompt arriving
+    while paused, the workload done, the help screen."""
+    app, show = snapshot_app(steps, then)
     assert snap_compare(app, terminal_size=size, run_before=show)
 
 
