@@ -150,10 +150,33 @@ def _generate(engine: Any, args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    for name in ("serve", "launch_server"):
+        p = sub.add_parser(name, help="serve HTTP: OpenAI /v1/* and SGLang's native routes (docs/serving.md)"
+                           if name == "serve" else "the same as serve (SGLang's name)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+        p.add_argument("--port", type=int, default=30000, help="port to listen on")
+        p.add_argument("--enable-metrics", action="store_true", help="Prometheus metrics at /metrics (sglang:* names)")
+        p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model-path)")
+        ServerArgs.add_cli_args(p)
+        p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    server_args = check_engine_args(args)
+    from sglite.entrypoints.launch_server import ServeArgs, launch_server
+
+    return launch_server(server_args, ServeArgs(args.host, args.port, args.enable_metrics, args.served_model_name))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sglite", description="A small SGLang-style inference engine built to be watched.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
+    _add_serve(sub)
     for plugin in plugins():
         if hasattr(plugin, "add_commands"):
             plugin.add_commands(sub)

@@ -189,3 +189,16 @@ def _parse_type(annotation: Any) -> Any:
         return float
     return str
 
+
+@dataclass
+class PortArgs:
+    """Where the serving processes find each other (SGLang: server_args.PortArgs): ZMQ
+    ``ipc://`` files in a temporary folder, each bound by the process that reads it."""
+
+    tokenizer_ipc_name: str  # DetokenizerManager and Scheduler -> TokenizerManager
+    scheduler_input_ipc_name: str  # TokenizerManager -> Scheduler
+    detokenizer_ipc_name: str  # Scheduler -> DetokenizerManager
+
+    @classmethod
+    def init_new(cls, folder: str) -> "PortArgs":
+        return cls(*(f"ipc://{folder}/{name}" for name in ("tokenizer", "scheduler_input", "detokenizer")))

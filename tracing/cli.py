@@ -25,7 +25,7 @@ def check_args(args: argparse.Namespace) -> None:
     """Before anything loads: the span file's folder exists."""
     from sglite.cli import check_output_path
 
-    check_output_path(args.trace_jsonl, "--trace-jsonl")
+    check_output_path(getattr(args, "trace_jsonl", None), "--trace-jsonl")
 
 
 def attach(bus: Any, args: argparse.Namespace, model: str) -> Callable[[], None] | None:

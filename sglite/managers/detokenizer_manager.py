@@ -83,3 +83,22 @@ class DetokenizerManager:
         if flush or (len(new_text) > len(surr_text) and not new_text.endswith("\ufffd")):
             status.decoded_text += new_text[len(surr_text) :]
             status.surr_offset, status.read_offset = status.read_offset, len(ids)
+
+
+def run_detokenizer_process(tokenizer: "Tokenizer | None", port_args: "PortArgs") -> None:
+    """The DetokenizerManager as a process (``sglite serve``): token ids from the
+    Scheduler in, text to the TokenizerManager out, one message per scheduler iteration."""
+    import os
+
+    import zmq
+
+    ctx = zmq.Context()
+    recv = ctx.socket(zmq.PULL)
+    recv.bind(port_args.detokenizer_ipc_name)
+    send = ctx.socket(zmq.PUSH)
+    send.connect(port_args.tokenizer_ipc_name)
+    manager = DetokenizerManager(tokenizer)
+    parent = os.getppid()
+    while os.getppid() == parent:  # the server went away: so does its detokenizer
+        if recv.poll(500):
+            send.send_pyobj([manager.handle_batch_token_id_out(out) for out in recv.recv_pyobj()])

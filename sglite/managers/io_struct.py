@@ -50,3 +50,24 @@ class BatchStrOut:
     new_token_ids: list[int]
     finished: bool
     meta_info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FlushCacheReqInput:
+    """Empty the radix cache (``/flush_cache``); refused while requests run."""
+
+
+@dataclass
+class FlushCacheReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class GetInternalStateReq:
+    """The scheduler's state now (``/get_server_info``)."""
+
+
+@dataclass
+class GetInternalStateReqOutput:
+    internal_state: dict[str, Any]

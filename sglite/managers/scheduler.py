@@ -14,7 +14,8 @@ from collections import deque
 from typing import Callable, Iterator
 
 from sglite import events as ev
-from sglite.managers.io_struct import AbortReq, BatchTokenIDOut, TokenizedGenerateReqInput
+from sglite.managers.io_struct import (AbortReq, BatchTokenIDOut, FlushCacheReqInput, FlushCacheReqOutput,
+                                      GetInternalStateReq, GetInternalStateReqOutput, TokenizedGenerateReqInput)
 from sglite.managers.schedule_batch import FINISH_ABORT, FINISH_MATCHED_STR, Req, ScheduleBatch
 from sglite.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from sglite.managers.scheduler_observer import SchedulerObserver
@@ -32,7 +33,8 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 
-RecvItem = TokenizedGenerateReqInput | AbortReq
+RecvItem = TokenizedGenerateReqInput | AbortReq | FlushCacheReqInput | GetInternalStateReq
+ControlOutput = FlushCacheReqOutput | GetInternalStateReqOutput
 logger = logging.getLogger("sglite")
 
 
@@ -81,6 +83,8 @@ class Scheduler:
         self.num_reqs_received = 0  # also seeds requests that bring no seed of their own
         # where each request's new tokens go (the Engine: its DetokenizerManager)
         self.send_to_detokenizer: Callable[[BatchTokenIDOut], None] = lambda out: None
+        # answers to control requests (sglite serve: the TokenizerManager's socket)
+        self.send_to_tokenizer: Callable[[ControlOutput], None] = lambda out: None
         self.observer = SchedulerObserver(self, self.event_bus)
         self.runtime_checker = SchedulerRuntimeChecker(self)
 
@@ -187,8 +191,33 @@ class Scheduler:
         for item in recv_reqs:
             if isinstance(item, AbortReq):
                 self.abort_request(item)
+            elif isinstance(item, FlushCacheReqInput):
+                self.send_to_tokenizer(self.flush_cache())
+            elif isinstance(item, GetInternalStateReq):
+                self.send_to_tokenizer(GetInternalStateReqOutput(self.get_internal_state()))
             else:
                 self.handle_generate_request(item)
+
+    def flush_cache(self) -> FlushCacheReqOutput:
+        """Empty the radix cache and give every KV slot back; only when nothing runs
+        (SGLang refuses too: running requests hold tree nodes)."""
+        if self.live_reqs() or self.result_queue:
+            return FlushCacheReqOutput(False, "cannot flush the cache while requests run")
+        self.tree_cache.reset()
+        self.req_to_token_pool.clear()
+        self.token_to_kv_pool_allocator.clear()
+        return FlushCacheReqOutput(True)
+
+    def get_internal_state(self) -> dict:
+        """What /get_server_info reports of the scheduler."""
+        o = self.observer
+        return {"iteration": self.iteration, "num_running_reqs": len(self.running_reqs()),
+                "num_queue_reqs": len(self.waiting_queue), "num_used_tokens": o.num_used_tokens(),
+                "token_usage": o.token_usage(), "max_total_num_tokens": self.max_total_num_tokens,
+                "available_tokens": self.token_to_kv_pool_allocator.available_size(),
+                "evictable_tokens": self.tree_cache.evictable_size(), "cache_hit_rate": o.cache_hit_rate(),
+                "num_retracted_reqs": o.num_retracted_reqs, "new_token_ratio": self.new_token_ratio,
+                "last_gen_throughput": o.last_gen_throughput}
 
     def _validate(self, recv_req: TokenizedGenerateReqInput) -> str | None:
         """The TokenizerManager checked every field; what only the scheduler can see is

@@ -11,16 +11,20 @@ offline Engine calls it in-process.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import jinja2
 
-from sglite.managers.io_struct import TokenizedGenerateReqInput
+from sglite.managers.io_struct import AbortReq, BatchStrOut, TokenizedGenerateReqInput
 from sglite.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from sglite.metrics.collector import TokenizerMetricsCollector
     from sglite.model_loader.tokenizer import Tokenizer
+    from sglite.server_args import PortArgs
 
 
 class RequestError(ValueError):
@@ -100,3 +104,125 @@ def _check_messages(messages: Any) -> list[dict[str, str]]:
 def _one_line(e: Exception) -> str:
     text = " ".join(str(e).split())
     return text if len(text) <= 300 else text[:297] + "..."
+
+
+@dataclass
+class ServerReqState:
+    """One request in flight in the server (SGLang's ReqState): what came back so far,
+    and an event set whenever more does."""
+
+    rid: str
+    event: Any  # asyncio.Event
+    created: float
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    outs: list[BatchStrOut] = field(default_factory=list)  # unread by the request's handler
+    finished: bool = False
+    meta_info: dict[str, Any] = field(default_factory=dict)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+class ServerTokenizerManager:
+    """SGLang's TokenizerManager as the HTTP server's process runs it (asyncio): the gate
+    above checks and tokenizes each request, which then goes to the Scheduler process
+    over ZMQ; ``handle_loop`` receives the DetokenizerManager's text (and the scheduler's
+    answers to control requests) and wakes the request's handler."""
+
+    def __init__(self, gate: TokenizerManager, port_args: "PortArgs", metrics: "TokenizerMetricsCollector | None"):
+        import zmq
+        import zmq.asyncio
+
+        self.gate, self.metrics = gate, metrics
+        ctx = zmq.asyncio.Context()
+        self.recv_from_detokenizer = ctx.socket(zmq.PULL)
+        self.recv_from_detokenizer.bind(port_args.tokenizer_ipc_name)
+        self.send_to_scheduler = ctx.socket(zmq.PUSH)
+        self.send_to_scheduler.connect(port_args.scheduler_input_ipc_name)
+        self.rid_to_state: dict[str, ServerReqState] = {}
+        self.control_waiters: deque[Any] = deque()  # futures of control requests, answered in order
+        self.control_lock: Any = None  # an asyncio.Lock, made in the server's loop
+
+    def check(self, rid: str, prompt: Any = None, input_ids: Any = None, messages: Any = None,
+              sampling_params: Any = None, stream: bool = False) -> TokenizedGenerateReqInput:
+        """The tokenized request; raises RequestError (a 400) for a bad one or a rid in use."""
+        if rid in self.rid_to_state:
+            raise RequestError(f"request id {rid!r} is already in use by an unfinished request")
+        req = self.gate.tokenize(rid, prompt, input_ids, messages, sampling_params, stream)
+        if req.error:
+            raise RequestError(req.error)
+        return req
+
+    async def generate_request(self, req: TokenizedGenerateReqInput) -> AsyncIterator[ServerReqState]:
+        """Send one checked request; yield its state each time more of it came back.
+        Closing the iterator early (a client that went away) aborts the request."""
+        import asyncio
+
+        state = ServerReqState(req.rid, asyncio.Event(), time.monotonic())
+        self.rid_to_state[req.rid] = state
+        await self.send_to_scheduler.send_pyobj(req)
+        try:
+            while not state.finished:
+                await state.event.wait()
+                state.event.clear()
+                yield state
+        finally:
+            self.rid_to_state.pop(req.rid, None)
+            if not state.finished:  # the handler stopped reading (a client that went away)
+                self.abort_request(req.rid)
+                if self.metrics is not None:
+                    self.metrics.num_aborted_requests_total.inc()
+
+    def abort_request(self, rid: str) -> None:
+        self.send_to_scheduler.send_pyobj(AbortReq(rid))
+
+    def abort_all(self) -> list[str]:
+        rids = list(self.rid_to_state)
+        for rid in rids:
+            self.abort_request(rid)
+        return rids
+
+    async def control(self, request: Any) -> Any:
+        """Send a control request to the scheduler and await its answer."""
+        import asyncio
+
+        if self.control_lock is None:
+            self.control_lock = asyncio.Lock()
+        async with self.control_lock:  # one at a time: answers come back in order
+            future = asyncio.get_running_loop().create_future()
+            self.control_waiters.append(future)
+            await self.send_to_scheduler.send_pyobj(request)
+            return await future
+
+    async def handle_loop(self) -> None:
+        """Route what the detokenizer (text) and the scheduler (control answers) send."""
+        while True:
+            msg = await self.recv_from_detokenizer.recv_pyobj()
+            if not isinstance(msg, list):
+                if self.control_waiters:
+                    self.control_waiters.popleft().set_result(msg)
+                continue
+            now = time.monotonic()
+            for out in msg:
+                state = self.rid_to_state.get(out.rid)
+                if state is not None:
+                    self._add(state, out, now)
+
+    def _add(self, state: ServerReqState, out: BatchStrOut, now: float) -> None:
+        state.text += out.new_text
+        state.output_ids += out.new_token_ids
+        state.outs.append(out)
+        if out.new_token_ids:
+            if state.first_token_time is None:
+                state.first_token_time = now
+                if self.metrics is not None:
+                    self.metrics.time_to_first_token.observe(now - state.created)
+            elif self.metrics is not None:
+                self.metrics.inter_token_latency.observe((now - state.last_token_time) / len(out.new_token_ids))
+            state.last_token_time = now
+        if out.finished:
+            state.finished, state.meta_info = True, dict(out.meta_info)
+            state.meta_info["e2e_latency"] = now - state.created
+            if self.metrics is not None:
+                self.metrics.observe_finished(state.meta_info, now - state.created)
+        state.event.set()

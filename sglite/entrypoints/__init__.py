@@ -1,0 +1,1 @@
+"""Serving: the HTTP server and its processes (``sglite serve``)."""

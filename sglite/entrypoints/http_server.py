@@ -1,0 +1,286 @@
+"""The HTTP server (SGLang: entrypoints/http_server.py): FastAPI routes over the
+ServerTokenizerManager, in the main process. SGLang's native routes (/generate, /health,
+/health_generate, /get_model_info, /get_server_info, /flush_cache, /abort_request,
+/metrics) and OpenAI's (/v1/completions, /v1/chat/completions, /v1/models).
+
+Errors are SGLang's shapes: a bad request is a 400 with ``{"error": {"message"}}`` on
+/generate and OpenAI's ``{"object": "error", "message", "type", "param", "code"}`` on
+/v1/*; FastAPI's 422 is remapped to 400; inside a stream an error is a ``data:`` event.
+A streamed request whose client goes away is aborted (its KV freed at once); a
+non-streamed one is aborted when the client disconnects while it waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from sglite.entrypoints import openai_api as oai
+from sglite.managers.io_struct import FlushCacheReqInput, GetInternalStateReq
+from sglite.managers.tokenizer_manager import RequestError, ServerReqState, ServerTokenizerManager
+from sglite.server_args import ServerArgs
+
+DISCONNECT_POLL = 0.5  # seconds between checks that a waiting non-streamed client is still there
+
+
+@dataclasses.dataclass
+class ServerInfo:
+    server_args: ServerArgs
+    model_name: str
+    max_total_num_tokens: int
+    max_req_input_len: int
+    metrics: bool
+
+
+def build_app(manager: ServerTokenizerManager, info: ServerInfo) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(manager.handle_loop())
+        yield
+        task.cancel()
+
+    app = FastAPI(title="sglite", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.manager, app.state.info = manager, info
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _bad(request, f"invalid request: {exc.errors()[0].get('msg', exc)}")
+
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, exc: RequestError) -> JSONResponse:
+        return _bad(request, str(exc))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if not info.metrics:
+            return JSONResponse({"error": {"message": "metrics are off: start with --enable-metrics"}}, 404)
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)  # every process's sglang:* series
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    _native_routes(app, manager, info)
+    _openai_routes(app, manager, info)
+    return app
+
+
+def _bad(request: Request, message: str, param: str | None = None, code: int = 400) -> JSONResponse:
+    if request.url.path.startswith("/v1/"):
+        return JSONResponse(oai.error_body(message, param, code), status_code=code)
+    return JSONResponse({"error": {"message": message}}, status_code=code)
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"the body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    return body
+
+
+# --- native routes -------------------------------------------------------------------
+
+
+def _native_routes(app: FastAPI, manager: ServerTokenizerManager, info: ServerInfo) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        req = manager.check(f"health-{uuid.uuid4().hex}", input_ids=[0], sampling_params={"max_new_tokens": 1})
+        try:
+            await asyncio.wait_for(_collect(manager, req), timeout=60)
+        except asyncio.TimeoutError:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def model_info() -> dict[str, Any]:
+        return {"model_path": info.server_args.model_path, "tokenizer_path": info.server_args.model_path,
+                "is_generation": True}
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        state = await manager.control(GetInternalStateReq())
+        return {**dataclasses.asdict(info.server_args), "max_total_num_tokens": info.max_total_num_tokens,
+                "max_req_input_len": info.max_req_input_len, "internal_states": [state.internal_state],
+                "version": "sglite 0.1.0"}
+
+    @app.post("/flush_cache")
+    @app.get("/flush_cache")
+    async def flush_cache() -> Response:
+        out = await manager.control(FlushCacheReqInput())
+        return Response(out.message or "Cache flushed.\n", status_code=200 if out.success else 400)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await _json(request)
+        if body.get("abort_all"):
+            manager.abort_all()
+        elif isinstance(body.get("rid"), str):
+            manager.abort_request(body["rid"])
+        else:
+            raise RequestError('give {"rid": "..."} or {"abort_all": true}')
+        return Response(status_code=200)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await _generate(request, manager)
+
+
+async def _generate(request: Request, manager: ServerTokenizerManager) -> Response:
+    """SGLang's /generate: {"text" | "input_ids", "sampling_params", "rid", "stream"}."""
+    body = await _json(request)
+    unknown = set(body) - {"text", "input_ids", "sampling_params", "rid", "stream"}
+    if unknown:
+        raise RequestError(f"unknown field(s): {', '.join(sorted(unknown))}")
+    rid = body.get("rid") or uuid.uuid4().hex
+    if not isinstance(rid, str):
+        raise RequestError("rid must be a string")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("stream must be true or false")
+    req = manager.check(rid, prompt=body.get("text"), input_ids=body.get("input_ids"),
+                        sampling_params=body.get("sampling_params"), stream=stream)
+    if stream:
+        return StreamingResponse(_native_stream(manager, req), media_type="text/event-stream")
+    return JSONResponse(_native_result(await _collect(manager, req, request)))
+
+
+def _native_result(state: ServerReqState) -> dict[str, Any]:
+    meta = {"id": state.rid, **state.meta_info}
+    out = {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
+    if "error" in meta:
+        out["error"] = {"message": meta["error"]}
+    return out
+
+
+async def _native_stream(manager: ServerTokenizerManager, req: Any) -> AsyncIterator[bytes]:
+    """Cumulative text per event, as SGLang streams it, then [DONE]."""
+    async for state in manager.generate_request(req):
+        yield f"data: {json.dumps(_native_result(state))}\n\n".encode()
+    yield b"data: [DONE]\n\n"
+
+
+async def _collect(manager: ServerTokenizerManager, req: Any, request: Request | None = None) -> ServerReqState:
+    """Run a request to the end. A client that disconnects while it waits gets its
+    request aborted (the scheduler frees its KV and answers with an abort)."""
+    watcher = asyncio.create_task(_abort_on_disconnect(manager, req.rid, request)) if request is not None else None
+    try:
+        async for state in manager.generate_request(req):
+            if state.finished:
+                return state
+        raise AssertionError("a request's outputs ended before it finished")
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+
+
+async def _abort_on_disconnect(manager: ServerTokenizerManager, rid: str, request: Request) -> None:
+    while True:
+        await asyncio.sleep(DISCONNECT_POLL)
+        if await request.is_disconnected():
+            manager.abort_request(rid)
+            return
+
+
+# --- OpenAI routes -------------------------------------------------------------------
+
+
+def _openai_routes(app: FastAPI, manager: ServerTokenizerManager, info: ServerInfo) -> None:
+    def model_card() -> dict[str, Any]:
+        return {"id": info.model_name, "object": "model", "created": 0, "owned_by": "sglite",
+                "root": info.server_args.model_path}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str) -> Any:
+        if model != info.model_name:
+            return JSONResponse(oai.error_body(f"The model '{model}' does not exist", "model", 404,
+                                               "NotFoundError") | {"code": "model_not_found"}, 404)
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _openai(request, manager, info, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _openai(request, manager, info, chat=True)
+
+    @app.exception_handler(oai.OpenAIError)
+    async def openai_error(request: Request, exc: oai.OpenAIError) -> JSONResponse:
+        return _bad(request, str(exc), exc.param)
+
+
+async def _openai(request: Request, manager: ServerTokenizerManager, info: ServerInfo, chat: bool) -> Response:
+    body = await _json(request)
+    params, n = oai.sampling_params(body, chat)
+    inputs = [{"messages": body.get("messages")}] if chat else oai.prompts_of(body)
+    rid = oai.new_id("chatcmpl" if chat else "cmpl")
+    reqs = [manager.check(f"{rid}-{i}-{k}", **inp, sampling_params=params, stream=bool(body.get("stream")))
+            for i, inp in enumerate(inputs) for k in range(n)]
+    if body.get("stream"):
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(_openai_stream(manager, reqs, rid, info.model_name, chat, include_usage),
+                                 media_type="text/event-stream")
+    states = await asyncio.gather(*(_collect(manager, r, request) for r in reqs))
+    errors = [s.meta_info["error"] for s in states if "error" in s.meta_info]
+    if errors:  # (a round that failed inside the scheduler)
+        return JSONResponse(oai.error_body(errors[0], code=500, kind="InternalServerError"), 500)
+    texts, metas = [s.text for s in states], [s.meta_info for s in states]
+    shape = oai.chat_response if chat else oai.completion_response
+    return JSONResponse(shape(rid, info.model_name, texts, metas))
+
+
+async def _openai_stream(manager: ServerTokenizerManager, reqs: list[Any], rid: str, model: str, chat: bool,
+                         include_usage: bool) -> AsyncIterator[bytes]:
+    """Deltas of every choice as they come, each choice's finish_reason, then usage
+    (when asked) and [DONE]. Leaving early aborts every choice still running."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, req: Any) -> None:
+        first = True
+        async for state in manager.generate_request(req):
+            text = "".join(o.new_text for o in state.outs)
+            state.outs.clear()
+            reason = oai.finish_reason(state.meta_info) if state.finished else None
+            await queue.put(oai.stream_chunk(rid, model, chat, index, text, reason, first))
+            first = False
+        await queue.put(state.meta_info)
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+    metas: list[dict[str, Any]] = []
+    try:
+        while len(metas) < len(reqs):
+            item = await queue.get()
+            if "choices" in item:
+                yield f"data: {json.dumps(item)}\n\n".encode()
+            else:
+                metas.append(item)
+                if "error" in item:
+                    yield f"data: {json.dumps({'error': oai.error_body(item['error'])})}\n\n".encode()
+        if include_usage:
+            last = oai.stream_chunk(rid, model, chat, 0, None, None) | {"choices": [], "usage": oai.usage(metas)}
+            yield f"data: {json.dumps(last)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()  # a client that went away: each choice's generator aborts its request

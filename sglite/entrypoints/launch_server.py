@@ -1,0 +1,188 @@
+"""``sglite serve``: SGLang's process layout (SGLang: entrypoints/http_server.py
+``launch_server``, entrypoints/engine.py ``_launch_subprocesses``).
+
+    main process:  uvicorn + FastAPI + ServerTokenizerManager (asyncio)
+        │ ZMQ TokenizedGenerateReqInput / AbortReq / control requests
+        ▼
+    scheduler process: Scheduler.event_loop, the model (sglite::scheduler)
+        │ ZMQ [BatchTokenIDOut, ...] per iteration
+        ▼
+    detokenizer process: DetokenizerManager (sglite::detokenizer)
+        │ ZMQ [BatchStrOut, ...]
+        ▼
+    main process (handle_loop wakes each request's handler)
+
+The scheduler reports ready (pool size, longest prompt, its tokenizer) over a pipe
+before the server accepts traffic. A child that dies makes the server exit; the server
+stops its children when it stops (SIGTERM, SIGINT), so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from sglite.server_args import PortArgs, ServerArgs
+
+logger = logging.getLogger("sglite")
+READY_TIMEOUT = 1800.0  # seconds the scheduler may take to load (a first run downloads and converts)
+WATCHDOG_INTERVAL = 1.0  # seconds between checks that the children are alive
+
+
+@dataclass
+class ServeArgs:
+    """The HTTP side's options (SGLang keeps them in ServerArgs)."""
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    enable_metrics: bool = False
+    served_model_name: str | None = None
+
+
+class ServerStartError(RuntimeError):
+    """The scheduler could not start (a model that fails to load, ...)."""
+
+
+def launch_server(server_args: ServerArgs, serve_args: ServeArgs) -> int:
+    """Start the processes, serve until stopped, stop them. Returns an exit status."""
+    folder = tempfile.mkdtemp(prefix="sglite-serve-")
+    if serve_args.enable_metrics:  # before prometheus_client is imported in any process
+        os.makedirs(f"{folder}/metrics")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = f"{folder}/metrics"
+    children: list[Any] = []
+    try:
+        return _serve(server_args, serve_args, PortArgs.init_new(folder), children)
+    except ServerStartError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        _stop(children)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _serve(server_args: ServerArgs, serve_args: ServeArgs, port_args: PortArgs, children: list[Any]) -> int:
+    import uvicorn
+
+    from sglite.entrypoints.http_server import ServerInfo, build_app
+
+    _Server = _uvicorn_server_class()
+    from sglite.managers.tokenizer_manager import ServerTokenizerManager, TokenizerManager
+
+    model_name = serve_args.served_model_name or server_args.model_path
+    labels = _metric_labels(model_name) if serve_args.enable_metrics else None
+    ready = _launch_subprocesses(server_args, port_args, labels, children)
+    metrics = None
+    if labels is not None:
+        from sglite.metrics.collector import TokenizerMetricsCollector
+
+        metrics = TokenizerMetricsCollector(labels)
+    gate = TokenizerManager(ready["tokenizer"], ready["vocab_size"], ready["max_req_input_len"],
+                            ready["context_len"], ready["max_total_num_tokens"])
+    manager = ServerTokenizerManager(gate, port_args, metrics)
+    info = ServerInfo(server_args, model_name, ready["max_total_num_tokens"], ready["max_req_input_len"],
+                      serve_args.enable_metrics)
+    app = build_app(manager, info)
+    config = uvicorn.Config(app, host=serve_args.host, port=serve_args.port, log_level="warning",
+                            timeout_graceful_shutdown=5)
+    server = _Server(config)
+
+    async def main() -> None:
+        watchdog = asyncio.create_task(_watchdog(children, server))
+        print(f"sglite serve: {model_name} on http://{serve_args.host}:{serve_args.port} "
+              f"(pool {info.max_total_num_tokens} tokens; Ctrl-C stops)", file=sys.stderr, flush=True)
+        await server.serve()
+        watchdog.cancel()
+
+    asyncio.run(main())
+    return 1 if getattr(server, "sglite_child_died", False) else 0
+
+
+def _uvicorn_server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM / SIGINT once it has shut down, which would end this
+        process before it stops its children: a signal here only asks uvicorn to stop."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            handled = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+def _metric_labels(model_name: str) -> dict[str, str]:
+    from sglite.metrics.collector import labels_for
+
+    return labels_for(model_name)
+
+
+def _launch_subprocesses(server_args: ServerArgs, port_args: PortArgs, labels: dict[str, str] | None,
+                         children: list[Any]) -> dict[str, Any]:
+    """The scheduler first (it loads the model and brings the tokenizer), then the
+    detokenizer with that tokenizer; returns the scheduler's ready message."""
+    from sglite.managers.detokenizer_manager import run_detokenizer_process
+    from sglite.managers.scheduler_process import run_scheduler_process
+
+    ctx = multiprocessing.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    scheduler = ctx.Process(target=run_scheduler_process, args=(server_args, port_args, writer, labels),
+                            name="sglite::scheduler", daemon=True)
+    scheduler.start()
+    children.append(scheduler)
+    print(f"sglite serve: loading {server_args.model_path} in the scheduler process ...", file=sys.stderr, flush=True)
+    waited = 0.0
+    while not reader.poll(0.5):
+        waited += 0.5
+        if not scheduler.is_alive():
+            raise ServerStartError(f"the scheduler process exited while loading (exit code {scheduler.exitcode})")
+        if waited > READY_TIMEOUT:
+            raise ServerStartError(f"the scheduler was not ready after {READY_TIMEOUT:.0f} s")
+    ready = reader.recv()
+    if ready["status"] != "ready":
+        raise ServerStartError(ready["message"])
+    detokenizer = ctx.Process(target=run_detokenizer_process, args=(ready["tokenizer"], port_args),
+                              name="sglite::detokenizer", daemon=True)
+    detokenizer.start()
+    children.append(detokenizer)
+    return ready
+
+
+async def _watchdog(children: list[Any], server: Any) -> None:
+    """A child that dies takes the server down with it (SGLang does the same)."""
+    while True:
+        await asyncio.sleep(WATCHDOG_INTERVAL)
+        dead = [c for c in children if not c.is_alive()]
+        if dead:
+            logger.error("%s exited (code %s): stopping the server", dead[0].name, dead[0].exitcode)
+            print(f"error: {dead[0].name} exited (exit code {dead[0].exitcode}); the server stops",
+                  file=sys.stderr, flush=True)
+            server.sglite_child_died = True
+            server.should_exit = True
+            return
+
+
+def _stop(children: list[Any]) -> None:
+    for c in children:
+        if c.is_alive():
+            c.terminate()
+    for c in children:
+        c.join(timeout=10)
+        if c.is_alive():
+            os.kill(c.pid, signal.SIGKILL)
+            c.join(timeout=5)

@@ -1,0 +1,1 @@
+"""Prometheus metrics with SGLang's names (``sglite serve --enable-metrics``)."""

@@ -1,0 +1,250 @@
+"""`sglite serve` for real: the three processes on a free loopback port (tiny-random),
+driven with the official `openai` client and raw HTTP. Outputs must equal the offline
+Engine's greedy outputs; bad bodies get 400s; a client that goes away frees its KV;
+/metrics parses and counts what was served; SIGTERM leaves no process behind."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sglite.engine import Engine
+
+PROMPTS = ["Hello", "The capital of France is", "1 2 3 4", "Why is the sky blue?"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children_of(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+class Server:
+    def __init__(self, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "sglite.cli", "serve", "--model-path", "tiny-random",
+                                      "--port", str(self.port), *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.proc.stderr.read()
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise AssertionError("the server did not come up")
+
+    def state(self) -> dict:
+        return httpx.get(f"{self.url}/get_server_info", timeout=30).json()["internal_states"][0]
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def stop(self) -> tuple[int, str]:
+        kids = children_of(self.proc.pid)
+        self.proc.send_signal(signal.SIGTERM)
+        _, err = self.proc.communicate(timeout=60)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{k}") for k in kids):
+            time.sleep(0.1)
+        left = [k for k in kids if os.path.exists(f"/proc/{k}") and "Z" not in _proc_state(k)]
+        assert kids and not left, f"processes left after SIGTERM: {left}"
+        return self.proc.returncode, err
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2]
+    except OSError:
+        return "gone"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--enable-metrics")
+    yield s
+    rc, err = s.stop()
+    assert rc == 0 and "Traceback" not in err, err
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = Engine("tiny-random", log_level="error")
+    yield e
+    e.shutdown()
+
+
+def greedy(engine: Engine, n: int = 12, **kw) -> dict:
+    return engine.generate(**kw, sampling_params={"max_new_tokens": n, "temperature": 0})
+
+
+def test_native_generate_equals_the_offline_engine(server, engine):
+    for prompt in PROMPTS:
+        want = greedy(engine, prompt=prompt)
+        body = {"text": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+        got = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
+        assert got["output_ids"] == want["output_ids"] and got["text"] == want["text"]
+        assert got["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+        with httpx.stream("POST", f"{server.url}/generate", json=body | {"stream": True}, timeout=60) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[-1]["text"] == want["text"]  # cumulative, as SGLang streams it
+        assert all(want["text"].startswith(c["text"]) for c in chunks)
+    ids = httpx.post(f"{server.url}/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
+        "max_new_tokens": 5, "temperature": 0}}, timeout=60).json()
+    assert ids["output_ids"] == greedy(engine, 5, input_ids=[5, 6, 7])["output_ids"]
+
+
+def test_openai_client_completions_and_chat_equal_the_offline_engine(server, engine):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    (model,) = [m.id for m in client.models.list().data]
+    assert model == "tiny-random"
+    for prompt in PROMPTS:
+        want = greedy(engine, prompt=prompt)
+        got = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+        assert got.choices[0].text == want["text"] and got.choices[0].finish_reason == "length"
+        assert got.usage.completion_tokens == 12 and got.usage.prompt_tokens == want["meta_info"]["prompt_tokens"]
+        streamed = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in streamed) == want["text"]
+        messages = [{"role": "user", "content": prompt}]
+        want = greedy(engine, messages=messages)
+        chat = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+        assert chat.choices[0].message.content == want["text"] and chat.choices[0].message.role == "assistant"
+        stream = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                                stream=True, stream_options={"include_usage": True})
+        parts = list(stream)
+        assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == want["text"]
+        assert parts[-1].usage.completion_tokens == 12
+    many = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0, n=3,
+                                     stop=["zz"], seed=1)
+    assert [c.index for c in many.choices] == [0, 1, 2] and len({c.text for c in many.choices}) == 1
+
+
+def test_64_concurrent_streams_all_complete_with_the_right_tokens(server, engine):
+    prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(64)]
+    want = {p: greedy(engine, 16, prompt=p)["text"] for p in prompts}
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+    def run(prompt: str) -> str:
+        stream = client.completions.create(model="tiny-random", prompt=prompt, max_tokens=16, temperature=0,
+                                           stream=True)
+        return "".join(c.choices[0].text for c in stream)
+
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        got = dict(zip(prompts, pool.map(run, prompts)))
+    assert got == want
+    assert server.state()["num_running_reqs"] == 0
+
+
+def test_a_client_that_disconnects_frees_its_kv_at_once(server):
+    before = server.metrics()
+    body = {"input_ids": [1, 2, 3], "stream": True,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0}}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # one event, then the client goes away (2000 tokens would take seconds)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        state = server.state()
+        if state["num_running_reqs"] == 0 and state["num_used_tokens"] == 0:
+            break
+        time.sleep(0.05)
+    assert state["num_running_reqs"] == 0 and state["num_used_tokens"] == 0, state
+    after = server.metrics()
+    key = "sglang:num_aborted_requests_total"
+    assert after[key] == before.get(key, 0) + 1
+    assert after["sglang:generation_tokens_total"] - before["sglang:generation_tokens_total"] < 2000
+
+
+BAD = [
+    ("/generate", b"not json", "the body is not JSON"),
+    ("/generate", {"text": "hi", "sampling_params": {"temperature": "hot"}}, "temperature must be"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens must be"),
+    ("/generate", {"text": ""}, "the prompt is empty"),
+    ("/generate", {"input_ids": [10 ** 9]}, "outside the vocabulary"),
+    ("/generate", {"text": "hi", "bogus": 1}, "unknown field(s): bogus"),
+    ("/generate", {"input_ids": [1] * 3000}, "at most 2042 fit"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_new_tokens must be"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature must be >= 0"),
+    ("/v1/completions", {"prompt": 5}, "prompt must be"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 1}, "logprobs is not supported"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n must be"),
+    ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, "unknown parameter 'frobnicate'"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages must be"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "'role' and 'content'"),
+    ("/abort_request", {}, "give {\"rid\""),
+]
+
+
+@pytest.mark.parametrize("route,body,message", BAD, ids=[f"{r} {m}" for r, _, m in BAD])
+def test_bad_bodies_get_400_with_the_reason(server, route, body, message):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{server.url}{route}", timeout=30, **kw)
+    assert r.status_code == 400, r.text
+    err = r.json()
+    if route.startswith("/v1/"):
+        assert err["object"] == "error" and err["code"] == 400 and message in err["message"], err
+    else:
+        assert message in err["error"]["message"], err
+
+
+def test_native_routes(server):
+    assert httpx.get(f"{server.url}/health_generate", timeout=60).status_code == 200
+    assert httpx.get(f"{server.url}/get_model_info").json()["model_path"] == "tiny-random"
+    info = httpx.get(f"{server.url}/get_server_info").json()
+    assert info["model_path"] == "tiny-random" and info["max_total_num_tokens"] > 0
+    assert httpx.get(f"{server.url}/v1/models/nope").status_code == 404
+    assert httpx.post(f"{server.url}/flush_cache").status_code == 200
+    state = server.state()
+    assert state["evictable_tokens"] == 0 and state["available_tokens"] == state["max_total_num_tokens"]
+    assert httpx.post(f"{server.url}/abort_request", json={"rid": "no-such-request"}).status_code == 200
+
+
+def test_metrics_parse_and_count_what_was_served(server):
+    before = server.metrics()
+    total = 0
+    for prompt in PROMPTS:
+        r = httpx.post(f"{server.url}/generate", json={"text": prompt, "sampling_params": {
+            "max_new_tokens": 7, "temperature": 0}}, timeout=60).json()
+        total += r["meta_info"]["completion_tokens"]
+    after = server.metrics()
+    labels_ok = 'model_name="tiny-random"' in httpx.get(f"{server.url}/metrics").text
+    assert labels_ok and total == 28
+    assert after["sglang:num_requests_total"] - before["sglang:num_requests_total"] == len(PROMPTS)
+    assert after["sglang:generation_tokens_total"] - before["sglang:generation_tokens_total"] == total
+    for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate",
+                 "sglang:gen_throughput", "sglang:num_retracted_reqs", "sglang:max_total_num_tokens",
+                 "sglang:time_to_first_token_seconds_count", "sglang:e2e_request_latency_seconds_count",
+                 "sglang:inter_token_latency_seconds_count", "sglang:prompt_tokens_total"):
+        assert name in after, name
+    assert after["sglang:e2e_request_latency_seconds_count"] - before["sglang:e2e_request_latency_seconds_count"] == 4
+
+
+def test_a_model_that_fails_to_load_is_one_line_and_no_server(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf")
+    proc = subprocess.run([sys.executable, "-m", "sglite.cli", "serve", "--model-path", str(bad), "--port",
+                           str(free_port())], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1 and "error:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
