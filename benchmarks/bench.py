@@ -234,7 +234,11 @@ def machine_line(threads: int) -> str:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+            lines = f.read().splitlines()
+        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
+        flags = set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
+        bf16 = [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+        cpu += f" ({', '.join(bf16) if bf16 else 'no avx512_bf16 or amx'})"
     except OSError:
         pass
     try:

@@ -14,6 +14,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(p)
     p.set_defaults(func=_run)
+    from benchmarks import bench_serving
+
+    p = sub.add_parser("bench-serving", help="load a serving endpoint (sglite serve, or any OpenAI-compatible "
+                       "server) like SGLang's bench_serving: throughput, TTFT, TPOT, ITL, e2e",
+                       description=bench_serving.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_serving.add_arguments(p)
+    p.set_defaults(func=_run_serving)
+
+
+def _run_serving(args: argparse.Namespace) -> int:
+    from benchmarks import bench_serving
+
+    return bench_serving.run(args)
 
 
 def _run(args: argparse.Namespace) -> int:

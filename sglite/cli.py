@@ -159,7 +159,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--port", type=int, default=30000, help="port to listen on")
         p.add_argument("--enable-metrics", action="store_true", help="Prometheus metrics at /metrics (sglang:* names)")
         p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model-path)")
-        ServerArgs.add_cli_args(p)
+        add_engine_arguments(p)  # server arguments, --record and the tracing options (the scheduler's process)
         p.set_defaults(func=_run_serve)
 
 
@@ -169,7 +169,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     server_args = check_engine_args(args)
     from sglite.entrypoints.launch_server import ServeArgs, launch_server
 
-    return launch_server(server_args, ServeArgs(args.host, args.port, args.enable_metrics, args.served_model_name))
+    viewer_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
+    return launch_server(server_args, ServeArgs(args.host, args.port, args.enable_metrics, args.served_model_name),
+                         viewer_args)
 
 
 def build_parser() -> argparse.ArgumentParser:

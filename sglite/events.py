@@ -147,6 +147,7 @@ class ReqArrived(Event):
     top_p: float = 1.0
     top_k: int = -1
     ignore_eos: bool = False  # decodes past the model's end of turn (SamplingParams.ignore_eos)
+    trace_parent: str = ""  # W3C traceparent the request's spans continue (sglite serve), "" for none
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,34 @@ def attach(bus: Any, args: argparse.Namespace, model: str) -> Callable[[], None]
     return tr.shutdown if tr is not None else None
 
 
+def attach_http(args: argparse.Namespace, model: str) -> tuple[Any, Callable[[], None]] | None:
+    """``sglite serve``'s main process: a tracer for one SERVER span per HTTP request
+    (the parent of the request's spans in the scheduler process), exported where the
+    scheduler's spans go; None when tracing is off."""
+    wants = args.otlp_traces_endpoint or args.trace_jsonl or args.trace_console
+    level = args.trace_level if args.trace_level is not None else (2 if wants else 0)
+    if not level or not wants:
+        return None
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+    from tracing.otel import JsonlSpanExporter, make_provider, otlp_exporter
+
+    exporters: list[Any] = []
+    if args.otlp_traces_endpoint:
+        exporters.append(otlp_exporter(args.otlp_traces_endpoint))
+    if args.trace_jsonl:  # the scheduler writes its spans to the file itself: the server's go beside it
+        exporters.append(JsonlSpanExporter(f"{args.trace_jsonl}.http"))
+    if args.trace_console:
+        exporters.append(ConsoleSpanExporter())
+    provider = make_provider(exporters)
+
+    def close() -> None:
+        provider.force_flush(timeout_millis=5000)
+        provider.shutdown()
+
+    return provider.get_tracer("sglite.http"), close
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("trace", help="work with recordings: convert to a Perfetto / Chrome timeline")
     tsub = p.add_subparsers(dest="trace_command", metavar="ACTION", required=True)

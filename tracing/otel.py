@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import (BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor,
                                             SpanExporter, SpanExportResult)
 from opentelemetry.trace import Link, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from tracing.timeline import Listener, Node
 
@@ -34,7 +35,12 @@ class SpanListener(Listener):
         return int(t * 1e9) + self._offset_ns
 
     def on_open(self, node: Node) -> None:
-        ctx = trace.set_span_in_context(node.parent.handle) if node.parent is not None else Context()
+        if node.parent is not None:
+            ctx = trace.set_span_in_context(node.parent.handle)
+        elif node.remote_parent:  # the HTTP request's span in the server's main process (or the client's)
+            ctx = TraceContextTextMapPropagator().extract({"traceparent": node.remote_parent})
+        else:
+            ctx = Context()
         links = [Link(n.handle.get_span_context()) for n in node.links if n.handle is not None]
         node.handle = self.tracer.start_span(node.name, context=ctx, start_time=self._ns(node.start), links=links,
                                              attributes=dict(node.attributes))

@@ -35,6 +35,7 @@ class Node:
     error: str | None = None
     id: int = field(default_factory=lambda: next(_ids))
     handle: Any = None  # the listener's object (an OTel span)
+    remote_parent: str = ""  # a root's parent in another process (W3C traceparent), "" for none
 
 
 class Listener:
@@ -122,7 +123,8 @@ class TimelineBuilder:
             "gen_ai.request.top_p": e.top_p, "gen_ai.request.top_k": e.top_k, "gen_ai.response.id": e.rid,
             "gen_ai.usage.input_tokens": e.prompt_tokens,
         }
-        root = self._open(Node(f"req {e.rid}", e.ts, "request", f"req {e.rid}", attributes=attrs))
+        root = self._open(Node(f"req {e.rid}", e.ts, "request", f"req {e.rid}", attributes=attrs,
+                               remote_parent=e.trace_parent))
         st = self.reqs[e.rid] = _ReqState(root)
         self._stage(st, "waiting", e.ts)
 

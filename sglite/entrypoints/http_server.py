@@ -16,12 +16,14 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import re
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from sglite.entrypoints import openai_api as oai
 from sglite.managers.io_struct import FlushCacheReqInput, GetInternalStateReq
@@ -38,6 +40,37 @@ class ServerInfo:
     max_total_num_tokens: int
     max_req_input_len: int
     metrics: bool
+    tracer: Any = None  # an OpenTelemetry tracer: one SERVER span per generation request
+
+
+TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+
+
+async def _traced(request: Request, info: ServerInfo, handler: Callable[[str], Awaitable[Response]]) -> Response:
+    """Run ``handler(traceparent)``: the request's spans in the scheduler continue the
+    client's trace (its W3C ``traceparent`` header) under this server's span for the
+    HTTP request, which ends once the response (a whole stream) has been sent."""
+    incoming = request.headers.get("traceparent", "").strip().lower()
+    if info.tracer is None:
+        return await handler(incoming if TRACEPARENT.match(incoming) else "")
+    from opentelemetry import trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    propagator = TraceContextTextMapPropagator()
+    span = info.tracer.start_span(f"{request.method} {request.url.path}", context=propagator.extract(
+        dict(request.headers)), kind=trace.SpanKind.SERVER, attributes={"http.request.method": request.method,
+                                                                        "url.path": request.url.path})
+    carrier: dict[str, str] = {}
+    propagator.inject(carrier, context=trace.set_span_in_context(span))
+    try:
+        response = await handler(carrier.get("traceparent", ""))
+    except BaseException as e:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, str(e)))
+        span.end()
+        raise
+    span.set_attribute("http.response.status_code", response.status_code)
+    response.background = BackgroundTask(span.end)
+    return response
 
 
 def build_app(manager: ServerTokenizerManager, info: ServerInfo) -> FastAPI:
@@ -139,10 +172,10 @@ def _native_routes(app: FastAPI, manager: ServerTokenizerManager, info: ServerIn
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        return await _generate(request, manager)
+        return await _traced(request, info, lambda parent: _generate(request, manager, parent))
 
 
-async def _generate(request: Request, manager: ServerTokenizerManager) -> Response:
+async def _generate(request: Request, manager: ServerTokenizerManager, trace_parent: str) -> Response:
     """SGLang's /generate: {"text" | "input_ids", "sampling_params", "rid", "stream"}."""
     body = await _json(request)
     unknown = set(body) - {"text", "input_ids", "sampling_params", "rid", "stream"}
@@ -155,7 +188,7 @@ async def _generate(request: Request, manager: ServerTokenizerManager) -> Respon
     if not isinstance(stream, bool):
         raise RequestError("stream must be true or false")
     req = manager.check(rid, prompt=body.get("text"), input_ids=body.get("input_ids"),
-                        sampling_params=body.get("sampling_params"), stream=stream)
+                        sampling_params=body.get("sampling_params"), stream=stream, trace_parent=trace_parent)
     if stream:
         return StreamingResponse(_native_stream(manager, req), media_type="text/event-stream")
     return JSONResponse(_native_result(await _collect(manager, req, request)))
@@ -219,23 +252,25 @@ def _openai_routes(app: FastAPI, manager: ServerTokenizerManager, info: ServerIn
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _openai(request, manager, info, chat=False)
+        return await _traced(request, info, lambda parent: _openai(request, manager, info, False, parent))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _openai(request, manager, info, chat=True)
+        return await _traced(request, info, lambda parent: _openai(request, manager, info, True, parent))
 
     @app.exception_handler(oai.OpenAIError)
     async def openai_error(request: Request, exc: oai.OpenAIError) -> JSONResponse:
         return _bad(request, str(exc), exc.param)
 
 
-async def _openai(request: Request, manager: ServerTokenizerManager, info: ServerInfo, chat: bool) -> Response:
+async def _openai(request: Request, manager: ServerTokenizerManager, info: ServerInfo, chat: bool,
+                  trace_parent: str) -> Response:
     body = await _json(request)
     params, n = oai.sampling_params(body, chat)
     inputs = [{"messages": body.get("messages")}] if chat else oai.prompts_of(body)
     rid = oai.new_id("chatcmpl" if chat else "cmpl")
-    reqs = [manager.check(f"{rid}-{i}-{k}", **inp, sampling_params=params, stream=bool(body.get("stream")))
+    reqs = [manager.check(f"{rid}-{i}-{k}", **inp, sampling_params=params, stream=bool(body.get("stream")),
+                          trace_parent=trace_parent)
             for i, inp in enumerate(inputs) for k in range(n)]
     if body.get("stream"):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))

@@ -29,7 +29,7 @@ import signal
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from sglite.server_args import PortArgs, ServerArgs
 
@@ -52,15 +52,17 @@ class ServerStartError(RuntimeError):
     """The scheduler could not start (a model that fails to load, ...)."""
 
 
-def launch_server(server_args: ServerArgs, serve_args: ServeArgs) -> int:
-    """Start the processes, serve until stopped, stop them. Returns an exit status."""
+def launch_server(server_args: ServerArgs, serve_args: ServeArgs, viewer_args: Any = None) -> int:
+    """Start the processes, serve until stopped, stop them. Returns an exit status.
+    ``viewer_args``: the CLI's options for the viewers (--record, tracing), which attach
+    in the scheduler's process (and, for tracing, the HTTP side)."""
     folder = tempfile.mkdtemp(prefix="sglite-serve-")
     if serve_args.enable_metrics:  # before prometheus_client is imported in any process
         os.makedirs(f"{folder}/metrics")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = f"{folder}/metrics"
     children: list[Any] = []
     try:
-        return _serve(server_args, serve_args, PortArgs.init_new(folder), children)
+        return _serve(server_args, serve_args, PortArgs.init_new(folder), children, viewer_args)
     except ServerStartError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -69,7 +71,8 @@ def launch_server(server_args: ServerArgs, serve_args: ServeArgs) -> int:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _serve(server_args: ServerArgs, serve_args: ServeArgs, port_args: PortArgs, children: list[Any]) -> int:
+def _serve(server_args: ServerArgs, serve_args: ServeArgs, port_args: PortArgs, children: list[Any],
+           viewer_args: Any) -> int:
     import uvicorn
 
     from sglite.entrypoints.http_server import ServerInfo, build_app
@@ -79,7 +82,7 @@ def _serve(server_args: ServerArgs, serve_args: ServeArgs, port_args: PortArgs, 
 
     model_name = serve_args.served_model_name or server_args.model_path
     labels = _metric_labels(model_name) if serve_args.enable_metrics else None
-    ready = _launch_subprocesses(server_args, port_args, labels, children)
+    ready = _launch_subprocesses(server_args, port_args, labels, children, viewer_args)
     metrics = None
     if labels is not None:
         from sglite.metrics.collector import TokenizerMetricsCollector
@@ -88,8 +91,9 @@ def _serve(server_args: ServerArgs, serve_args: ServeArgs, port_args: PortArgs, 
     gate = TokenizerManager(ready["tokenizer"], ready["vocab_size"], ready["max_req_input_len"],
                             ready["context_len"], ready["max_total_num_tokens"])
     manager = ServerTokenizerManager(gate, port_args, metrics)
+    tracer, close_tracer = _http_tracer(viewer_args, model_name)
     info = ServerInfo(server_args, model_name, ready["max_total_num_tokens"], ready["max_req_input_len"],
-                      serve_args.enable_metrics)
+                      serve_args.enable_metrics, tracer)
     app = build_app(manager, info)
     config = uvicorn.Config(app, host=serve_args.host, port=serve_args.port, log_level="warning",
                             timeout_graceful_shutdown=5)
@@ -102,8 +106,23 @@ def _serve(server_args: ServerArgs, serve_args: ServeArgs, port_args: PortArgs, 
         await server.serve()
         watchdog.cancel()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        close_tracer()
     return 1 if getattr(server, "sglite_child_died", False) else 0
+
+
+def _http_tracer(viewer_args: Any, model_name: str) -> tuple[Any, Callable[[], None]]:
+    """The tracing plugin's tracer for the HTTP side, when tracing is on."""
+    from sglite.cli import plugins
+
+    for plugin in plugins() if viewer_args is not None else []:
+        if hasattr(plugin, "attach_http"):
+            got = plugin.attach_http(viewer_args, model_name)
+            if got is not None:
+                return got
+    return None, lambda: None
 
 
 def _uvicorn_server_class() -> type:
@@ -133,7 +152,7 @@ def _metric_labels(model_name: str) -> dict[str, str]:
 
 
 def _launch_subprocesses(server_args: ServerArgs, port_args: PortArgs, labels: dict[str, str] | None,
-                         children: list[Any]) -> dict[str, Any]:
+                         children: list[Any], viewer_args: Any = None) -> dict[str, Any]:
     """The scheduler first (it loads the model and brings the tokenizer), then the
     detokenizer with that tokenizer; returns the scheduler's ready message."""
     from sglite.managers.detokenizer_manager import run_detokenizer_process
@@ -141,7 +160,7 @@ def _launch_subprocesses(server_args: ServerArgs, port_args: PortArgs, labels: d
 
     ctx = multiprocessing.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
-    scheduler = ctx.Process(target=run_scheduler_process, args=(server_args, port_args, writer, labels),
+    scheduler = ctx.Process(target=run_scheduler_process, args=(server_args, port_args, writer, labels, viewer_args),
                             name="sglite::scheduler", daemon=True)
     scheduler.start()
     children.append(scheduler)

@@ -21,6 +21,7 @@ from sglite.managers.io_struct import BatchStrOut, BatchTokenIDOut
 
 if TYPE_CHECKING:
     from sglite.model_loader.tokenizer import Tokenizer
+    from sglite.server_args import PortArgs
 
 
 @dataclass

@@ -17,6 +17,7 @@ class TokenizedGenerateReqInput:
     sampling_params: SamplingParams
     stream: bool = False
     error: str | None = None  # set when the request was rejected before tokenizing
+    trace_parent: str = ""  # W3C traceparent of the HTTP request's span: its trace continues here
 
 
 @dataclass

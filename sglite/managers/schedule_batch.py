@@ -98,6 +98,7 @@ class Req:
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids or set()
         self.stream = stream
+        self.trace_parent = ""  # W3C traceparent of the HTTP request's span (sglite serve)
         self.tokenizer = tokenizer  # decodes the output's tail to check stop strings
         # the random draw for output token n depends only on (sampling_seed, n): a seeded
         # request samples the same tokens however it is batched, chunked or retracted

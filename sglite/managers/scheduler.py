@@ -247,6 +247,7 @@ class Scheduler:
         req = Req(recv_req.rid, recv_req.input_text, list(recv_req.input_ids), params, eos,
                   seed=self.server_args.random_seed + self.num_reqs_received, stream=recv_req.stream,
                   tokenizer=self.tokenizer)
+        req.trace_parent = recv_req.trace_parent
         self.num_reqs_received += 1
         self.waiting_queue.append(req)
         self.observer.on_req_arrived(req, temperature)

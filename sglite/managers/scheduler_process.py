@@ -12,8 +12,9 @@ are answered to the TokenizerManager directly.
 from __future__ import annotations
 
 import os
+import signal
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Callable
 
 from sglite.managers.io_struct import BatchTokenIDOut
 from sglite.server_args import PortArgs, ServerArgs
@@ -22,12 +23,12 @@ IDLE_POLL_MS = 500  # how long an idle scheduler waits for a request before look
 
 
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Connection,
-                          metrics_labels: dict[str, str] | None = None) -> None:
-    import zmq
-
+                          metrics_labels: dict[str, str] | None = None, viewer_args: Any = None) -> None:
+    """``viewer_args``: the CLI's viewer options (--record, tracing): they attach to
+    this process's EventBus, as to an offline Engine's, and are closed (spans flushed,
+    the recording ended) when the server stops this process with SIGTERM."""
     from sglite.engine import _setup_logging
     from sglite.managers.scheduler import Scheduler
-    from sglite.metrics.collector import SchedulerMetricsCollector
 
     _setup_logging(server_args.log_level)
     parent = os.getppid()
@@ -36,6 +37,36 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Co
     except BaseException as e:  # noqa: BLE001 - the parent prints it and exits
         pipe.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
         return
+    close_viewers = _attach_viewers(scheduler, server_args, viewer_args)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        _serve(scheduler, server_args, port_args, pipe, metrics_labels, parent)
+    except SystemExit:
+        pass
+    finally:
+        close_viewers()
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def _attach_viewers(scheduler: Any, server_args: ServerArgs, viewer_args: Any) -> Callable[[], None]:
+    if viewer_args is None:
+        return lambda: None
+    from types import SimpleNamespace
+
+    from sglite.cli import attach_viewers
+
+    return attach_viewers(SimpleNamespace(event_bus=scheduler.event_bus, server_args=server_args), viewer_args)
+
+
+def _serve(scheduler: Any, server_args: ServerArgs, port_args: PortArgs, pipe: Connection,
+           metrics_labels: dict[str, str] | None, parent: int) -> None:
+    import zmq
+
+    from sglite.metrics.collector import SchedulerMetricsCollector
+
     ctx = zmq.Context()
     recv = ctx.socket(zmq.PULL)
     recv.bind(port_args.scheduler_input_ipc_name)

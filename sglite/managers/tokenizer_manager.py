@@ -144,13 +144,15 @@ class ServerTokenizerManager:
         self.control_lock: Any = None  # an asyncio.Lock, made in the server's loop
 
     def check(self, rid: str, prompt: Any = None, input_ids: Any = None, messages: Any = None,
-              sampling_params: Any = None, stream: bool = False) -> TokenizedGenerateReqInput:
-        """The tokenized request; raises RequestError (a 400) for a bad one or a rid in use."""
+              sampling_params: Any = None, stream: bool = False, trace_parent: str = "") -> TokenizedGenerateReqInput:
+        """The tokenized request; raises RequestError (a 400) for a bad one or a rid in use.
+        ``trace_parent``: the W3C traceparent the request's spans continue."""
         if rid in self.rid_to_state:
             raise RequestError(f"request id {rid!r} is already in use by an unfinished request")
         req = self.gate.tokenize(rid, prompt, input_ids, messages, sampling_params, stream)
         if req.error:
             raise RequestError(req.error)
+        req.trace_parent = trace_parent
         return req
 
     async def generate_request(self, req: TokenizedGenerateReqInput) -> AsyncIterator[ServerReqState]:

@@ -36,12 +36,12 @@ def children_of(pid: int) -> list[int]:
 
 
 class Server:
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "sglite.cli", "serve", "--model-path", "tiny-random",
                                       "--port", str(self.port), *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+                                     stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.proc.stderr.read()
@@ -248,3 +248,55 @@ def test_a_model_that_fails_to_load_is_one_line_and_no_server(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "sglite.cli", "serve", "--model-path", str(bad), "--port",
                            str(free_port())], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 1 and "error:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_traceparent_header_makes_one_trace_across_the_processes():
+    """A client's W3C traceparent: the server's span for the HTTP request is its child,
+    and the request's spans in the scheduler process are children of that, all in the
+    client's trace, at a real OTLP receiver."""
+    from http.server import ThreadingHTTPServer
+    import threading
+
+    from tests.tracing.test_otlp import Receiver
+
+    Receiver.requests = []
+    receiver = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    trace_id, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    try:
+        server = Server("--otlp-traces-endpoint", f"127.0.0.1:{receiver.server_address[1]}",
+                        env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"})
+        r = httpx.post(f"{server.url}/generate", headers={"traceparent": f"00-{trace_id}-{client_span}-01"},
+                       json={"text": "Hello", "rid": "traced", "sampling_params": {"max_new_tokens": 4}}, timeout=60)
+        assert r.status_code == 200
+        rc, err = server.stop()  # flushes both processes' spans
+        assert rc == 0, err
+    finally:
+        receiver.shutdown()
+    spans = {}
+    for req in Receiver.requests:
+        for rs in req.resource_spans:
+            for ss in rs.scope_spans:
+                for span in ss.spans:
+                    spans[span.name] = span
+    http, root = spans["POST /generate"], spans["req traced"]
+    assert http.trace_id.hex() == trace_id and http.parent_span_id.hex() == client_span
+    assert root.trace_id.hex() == trace_id and root.parent_span_id == http.span_id
+    assert spans["waiting"].trace_id.hex() == trace_id and spans["waiting"].parent_span_id == root.span_id
+
+
+@pytest.mark.parametrize("backend", ["sglite", "openai", "openai-chat"])
+def test_bench_serving_loads_every_backend_and_counts_the_tokens(server, backend):
+    import asyncio
+
+    from benchmarks.bench_serving import Request, report, run_load, summarize
+
+    reqs = [Request(prompt=[3 + i, 4, 5, 6], output_len=8 + i, prompt_len=4) for i in range(6)]
+    if backend == "openai-chat":
+        reqs = [Request(messages=[{"role": "user", "content": p}], output_len=5) for p in PROMPTS]
+    results, duration = asyncio.run(run_load(server.url, backend, reqs, "tiny-random", float("inf"), 3))
+    summary = summarize(results, duration)
+    assert summary["failed_requests"] == 0 and summary["successful_requests"] == len(reqs)
+    assert [r.output_len for r in results] == [r.output_len for r in reqs]  # ignore_eos: exactly the length
+    assert all(r.ttft > 0 and r.e2e >= r.ttft and len(r.itl) >= 1 for r in results)
+    assert "Serving Benchmark Result" in report(summary, backend)
