@@ -159,6 +159,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--port", type=int, default=30000, help="port to listen on")
         p.add_argument("--enable-metrics", action="store_true", help="Prometheus metrics at /metrics (sglang:* names)")
         p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model-path)")
+        p.add_argument("--enable-debug-control", action="store_true",
+                       help="let POST /debug/control pause and step the scheduler (sglite tui --attach); off, a "
+                            "server cannot be paused by anyone")
         add_engine_arguments(p)  # server arguments, --record and the tracing options (the scheduler's process)
         p.set_defaults(func=_run_serve)
 
@@ -170,8 +173,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     from sglite.entrypoints.launch_server import ServeArgs, launch_server
 
     viewer_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
-    return launch_server(server_args, ServeArgs(args.host, args.port, args.enable_metrics, args.served_model_name),
-                         viewer_args)
+    serve = ServeArgs(args.host, args.port, args.enable_metrics, args.served_model_name, args.enable_debug_control)
+    return launch_server(server_args, serve, viewer_args)
 
 
 def build_parser() -> argparse.ArgumentParser:

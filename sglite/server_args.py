@@ -198,7 +198,8 @@ class PortArgs:
     tokenizer_ipc_name: str  # DetokenizerManager and Scheduler -> TokenizerManager
     scheduler_input_ipc_name: str  # TokenizerManager -> Scheduler
     detokenizer_ipc_name: str  # Scheduler -> DetokenizerManager
+    events_ipc_name: str  # Scheduler's event stream (XPUB) -> the server's /debug/events readers
 
     @classmethod
     def init_new(cls, folder: str) -> "PortArgs":
-        return cls(*(f"ipc://{folder}/{name}" for name in ("tokenizer", "scheduler_input", "detokenizer")))
+        return cls(*(f"ipc://{folder}/{name}" for name in ("tokenizer", "scheduler_input", "detokenizer", "events")))

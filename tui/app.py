@@ -46,6 +46,7 @@ class LiveFeed:
         self.error: str | None = None
         self.host_state: HostState | None = None
         self.state_changed = False  # a HostState came since the screen last looked
+        self.paused_by_engine: bool | None = None  # attached: whether the server's scheduler is paused
 
     def latest_iteration(self) -> int:
         return self.latest.iteration if self.latest is not None else -1
@@ -61,6 +62,8 @@ class LiveFeed:
                         new = view
             elif kind == "state":
                 self.host_state, self.state_changed = payload, True
+            elif kind == "paused":
+                self.paused_by_engine, self.state_changed = payload, True
             elif kind == "log":
                 self.builder.add_log("", payload)
             elif kind == "error":
@@ -228,6 +231,8 @@ class SchedulerApp(App):
                 self.show_index(self.index + 1)
             return
         view = self.feed.pump()
+        if self.feed.paused_by_engine is not None:  # what the server says wins over the key pressed
+            self.paused, self.feed.paused_by_engine = self.feed.paused_by_engine, None
         if view is not None or self.feed.state_changed:
             self.feed.state_changed = False
             self.render_view(view or self.last_view or View())

@@ -14,6 +14,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", default="demo",
                    help="demo, shared-prefix, long-prompts, pool-pressure, steady, or a .jsonl file")
     p.add_argument("--paused", action="store_true", help="start paused (n steps one iteration)")
+    p.add_argument("--attach", metavar="URL", default=None,
+                   help="show a running `sglite serve` (e.g. http://127.0.0.1:30000) instead of starting an engine; "
+                        "pause and step need the server's --enable-debug-control")
     p.add_argument("--replay", metavar="RECORDING", default=None,
                    help="show a recording made with --record instead of running the engine "
                         "(n/→ next iteration, b/← back, space play)")
@@ -36,6 +39,8 @@ def check_terminal() -> None:
 def _run(args: argparse.Namespace) -> int:
     if args.replay:
         return _replay(args.replay)
+    if args.attach:
+        return _attach(args.attach)
     import dataclasses
 
     from sglite.cli import check_engine_args
@@ -69,6 +74,23 @@ def _live(args: argparse.Namespace, kwargs: dict) -> int:
         return 1
     yield_cpu_to_engine(connection)
     SchedulerApp(LiveFeed(connection, info), title=info["model"], paused=args.paused).run()
+    return 0
+
+
+def _attach(url: str) -> int:
+    from tui.app import LiveFeed, SchedulerApp
+    from tui.remote import RemoteConnection
+
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--attach needs a URL like http://127.0.0.1:30000, got {url!r}")
+    check_terminal()
+    connection = RemoteConnection(url)
+    try:
+        info = connection.wait_ready()
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    SchedulerApp(LiveFeed(connection, info), title=f"{info['model']} · attached to {url}").run()
     return 0
 
 

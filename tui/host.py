@@ -104,13 +104,7 @@ class EngineHost:
             return
         events, self._events[:] = list(self._events), []
         self._track(events)
-        last = next((i for i in range(len(events) - 1, -1, -1) if isinstance(events[i], ev.IterationFinished)), None)
-        if last is not None:
-            it = events[last].iteration
-            has_snapshot = any(isinstance(e, ev.SchedulerSnapshot) and e.iteration == it for e in events[:last])
-            if not has_snapshot:
-                events.insert(last, self.engine.scheduler.snapshot())
-        self.outbox.put(("events", events))
+        self.outbox.put(("events", self.engine.scheduler.observer.with_snapshot(events)))
         self.send_state()
 
     def _track(self, events: list[ev.Event]) -> None:

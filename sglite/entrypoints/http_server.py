@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from sglite.entrypoints import openai_api as oai
-from sglite.managers.io_struct import FlushCacheReqInput, GetInternalStateReq
+from sglite.managers.io_struct import DebugControlReq, FlushCacheReqInput, GetInternalStateReq
 from sglite.managers.tokenizer_manager import RequestError, ServerReqState, ServerTokenizerManager
 from sglite.server_args import ServerArgs
 
@@ -41,6 +41,8 @@ class ServerInfo:
     max_req_input_len: int
     metrics: bool
     tracer: Any = None  # an OpenTelemetry tracer: one SERVER span per generation request
+    events_address: str = ""  # the scheduler's event stream (ZMQ), for /debug/events
+    debug_control: bool = False  # /debug/control may pause and step the scheduler
 
 
 TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
@@ -103,6 +105,7 @@ def build_app(manager: ServerTokenizerManager, info: ServerInfo) -> FastAPI:
 
     _native_routes(app, manager, info)
     _openai_routes(app, manager, info)
+    _debug_routes(app, manager, info)
     return app
 
 
@@ -229,6 +232,44 @@ async def _abort_on_disconnect(manager: ServerTokenizerManager, rid: str, reques
         if await request.is_disconnected():
             manager.abort_request(rid)
             return
+
+
+# --- debug routes (sglite tui --attach) ----------------------------------------------
+
+
+def _debug_routes(app: FastAPI, manager: ServerTokenizerManager, info: ServerInfo) -> None:
+    @app.get("/debug/events")
+    async def debug_events() -> StreamingResponse:
+        """The scheduler's events as server-sent events, one JSON list per shipment
+        (every iteration's events; the newest of each with a SchedulerSnapshot)."""
+        return StreamingResponse(_event_stream(info.events_address), media_type="text/event-stream")
+
+    @app.post("/debug/control")
+    async def debug_control(request: Request) -> Response:
+        if not info.debug_control:
+            return JSONResponse({"error": {"message": "pause and step need the server to be started with "
+                                                      "--enable-debug-control"}}, 403)
+        cmd = (await _json(request)).get("cmd")
+        if cmd not in ("pause", "run", "step", "status"):
+            raise RequestError(f'cmd must be "pause", "run", "step" or "status", got {cmd!r}')
+        out = await manager.control(DebugControlReq(cmd))
+        return JSONResponse({"paused": out.paused, "iteration": out.iteration})
+
+
+async def _event_stream(address: str) -> AsyncIterator[bytes]:
+    import zmq
+    import zmq.asyncio
+
+    sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
+    sock.connect(address)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        yield b": sglite scheduler events\n\n"  # the stream is open (the first shipment comes with work)
+        while True:
+            events = await sock.recv_pyobj()
+            yield f"data: {json.dumps([e.to_dict() for e in events])}\n\n".encode()
+    finally:
+        sock.close(linger=0)  # the scheduler stops publishing when its last reader goes
 
 
 # --- OpenAI routes -------------------------------------------------------------------

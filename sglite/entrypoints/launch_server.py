@@ -46,6 +46,7 @@ class ServeArgs:
     port: int = 30000
     enable_metrics: bool = False
     served_model_name: str | None = None
+    enable_debug_control: bool = False  # /debug/control may pause and step the scheduler
 
 
 class ServerStartError(RuntimeError):
@@ -93,7 +94,7 @@ def _serve(server_args: ServerArgs, serve_args: ServeArgs, port_args: PortArgs, 
     manager = ServerTokenizerManager(gate, port_args, metrics)
     tracer, close_tracer = _http_tracer(viewer_args, model_name)
     info = ServerInfo(server_args, model_name, ready["max_total_num_tokens"], ready["max_req_input_len"],
-                      serve_args.enable_metrics, tracer)
+                      serve_args.enable_metrics, tracer, port_args.events_ipc_name, serve_args.enable_debug_control)
     app = build_app(manager, info)
     config = uvicorn.Config(app, host=serve_args.host, port=serve_args.port, log_level="warning",
                             timeout_graceful_shutdown=5)

@@ -72,3 +72,18 @@ class GetInternalStateReq:
 @dataclass
 class GetInternalStateReqOutput:
     internal_state: dict[str, Any]
+
+
+@dataclass
+class DebugControlReq:
+    """Pause, run or step the server's scheduler (``sglite serve --enable-debug-control``,
+    for ``sglite tui --attach``): "pause", "run", "step" (one iteration, pausing) or
+    "status"."""
+
+    cmd: str
+
+
+@dataclass
+class DebugControlReqOutput:
+    paused: bool
+    iteration: int

@@ -195,6 +195,20 @@ class SchedulerObserver:
             self._key_texts[key_head] = text
         return text
 
+    def with_snapshot(self, events: list[ev.Event], full_tree: bool = True) -> list[ev.Event]:
+        """``events`` (a run of whole iterations) with a SchedulerSnapshot just before
+        the newest IterationFinished, unless the scheduler emitted one: built now, between
+        iterations, the state after an iteration being the state until the next. What
+        ships events to a screen (the TUI's host, the server's event stream) sends only
+        the newest iteration's state."""
+        last = next((i for i in range(len(events) - 1, -1, -1) if isinstance(events[i], ev.IterationFinished)), None)
+        if last is None:
+            return events
+        it = events[last].iteration
+        if not any(isinstance(e, ev.SchedulerSnapshot) and e.iteration == it for e in events[:last]):
+            events = events[:last] + [self.snapshot(full_tree)] + events[last:]
+        return events
+
     def snapshot(self, full_tree: bool = True) -> ev.SchedulerSnapshot:
         """A SchedulerSnapshot of the state now (between iterations it is the state after
         the last one). ``full_tree=False`` leaves the tree out when it has not changed

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from sglite.managers.io_struct import BatchTokenIDOut
+from sglite.managers.io_struct import (BatchTokenIDOut, DebugControlReq, DebugControlReqOutput, FlushCacheReqInput,
+                                      GetInternalStateReq)
 from sglite.server_args import PortArgs, ServerArgs
 
 IDLE_POLL_MS = 500  # how long an idle scheduler waits for a request before looking at its parent
+SHIP_INTERVAL = 0.05  # seconds between event shipments to /debug/events readers (as the TUI's host)
 
 
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Connection,
@@ -63,49 +66,132 @@ def _attach_viewers(scheduler: Any, server_args: ServerArgs, viewer_args: Any) -
 
 def _serve(scheduler: Any, server_args: ServerArgs, port_args: PortArgs, pipe: Connection,
            metrics_labels: dict[str, str] | None, parent: int) -> None:
-    import zmq
-
-    from sglite.metrics.collector import SchedulerMetricsCollector
-
-    ctx = zmq.Context()
-    recv = ctx.socket(zmq.PULL)
-    recv.bind(port_args.scheduler_input_ipc_name)
-    to_detokenizer = ctx.socket(zmq.PUSH)
-    to_detokenizer.connect(port_args.detokenizer_ipc_name)
-    to_tokenizer = ctx.socket(zmq.PUSH)
-    to_tokenizer.connect(port_args.tokenizer_ipc_name)
-    outputs: list[BatchTokenIDOut] = []
-    scheduler.send_to_detokenizer = outputs.append
-    scheduler.send_to_tokenizer = to_tokenizer.send_pyobj
-    metrics = SchedulerMetricsCollector(metrics_labels) if metrics_labels is not None else None
+    loop = SchedulerProcessLoop(scheduler, port_args, metrics_labels)
     pipe.send({"status": "ready", "max_total_num_tokens": scheduler.max_total_num_tokens,
                "max_req_input_len": scheduler.max_req_input_len, "tokenizer": scheduler.tokenizer,
                "vocab_size": scheduler.model_config.vocab_size,
                "context_len": scheduler.tp_worker.model_runner.context_len, "pid": os.getpid()})
-    loop = scheduler.event_loop()
-    while os.getppid() == parent:  # the server went away: so does its scheduler
-        received = _recv_requests(recv, scheduler, block=not scheduler.has_work())
-        if not received and not scheduler.has_work():
-            continue
-        next(loop)
-        if outputs:
-            to_detokenizer.send_pyobj(list(outputs))
-            outputs.clear()
-        if metrics is not None:
-            metrics.update(scheduler, force=not scheduler.has_work())  # an idle server reports 0 running
+    loop.run(parent)
 
 
-def _recv_requests(sock: Any, scheduler: Any, block: bool) -> int:
-    """Move what arrived on the socket into the scheduler's queue (its recv_requests
-    takes it at the start of the next iteration); wait a little when ``block``."""
-    import zmq
+class SchedulerProcessLoop:
+    """The scheduler process's sockets and its loop: receive, run one iteration when
+    there is work (and, paused by ``DebugControlReq``, only when stepped), ship the
+    outputs, the gauges and, while someone watches, the event stream."""
 
-    if block and not sock.poll(IDLE_POLL_MS):
-        return 0
-    n = 0
-    while True:
-        try:
-            scheduler.send(sock.recv_pyobj(zmq.NOBLOCK))
-            n += 1
-        except zmq.Again:
-            return n
+    def __init__(self, scheduler: Any, port_args: PortArgs, metrics_labels: dict[str, str] | None):
+        import zmq
+
+        from sglite.metrics.collector import SchedulerMetricsCollector
+
+        self.scheduler = scheduler
+        ctx = zmq.Context()
+        self.recv = ctx.socket(zmq.PULL)
+        self.recv.bind(port_args.scheduler_input_ipc_name)
+        self.to_detokenizer = ctx.socket(zmq.PUSH)
+        self.to_detokenizer.connect(port_args.detokenizer_ipc_name)
+        self.to_tokenizer = ctx.socket(zmq.PUSH)
+        self.to_tokenizer.connect(port_args.tokenizer_ipc_name)
+        self.outputs: list[BatchTokenIDOut] = []
+        scheduler.send_to_detokenizer = self.outputs.append
+        scheduler.send_to_tokenizer = self.to_tokenizer.send_pyobj
+        self.metrics = SchedulerMetricsCollector(metrics_labels) if metrics_labels is not None else None
+        self.publisher = EventPublisher(ctx, port_args.events_ipc_name, scheduler)
+        self.paused, self.steps = False, 0  # steps: iterations asked for while paused
+
+    def runnable(self) -> bool:
+        return self.scheduler.has_work() and (not self.paused or self.steps > 0)
+
+    def run(self, parent: int) -> None:
+        loop = self.scheduler.event_loop()
+        while os.getppid() == parent:  # the server went away: so does its scheduler
+            self.publisher.poll()
+            self.receive(block=not self.runnable())
+            if not self.runnable():
+                self.publisher.ship(force=True)
+                continue
+            next(loop)
+            self.steps = max(0, self.steps - 1)
+            if self.outputs:
+                self.to_detokenizer.send_pyobj(list(self.outputs))
+                self.outputs.clear()
+            idle = not self.scheduler.has_work()
+            if self.metrics is not None:
+                self.metrics.update(self.scheduler, force=idle)  # an idle server reports 0 running
+            self.publisher.ship(force=idle or self.paused)
+
+    def receive(self, block: bool) -> None:
+        """Move what arrived into the scheduler's queue (its recv_requests takes it at the
+        start of the next iteration); answer debug controls here; wait a little when
+        ``block``."""
+        import zmq
+
+        if block and not self.recv.poll(IDLE_POLL_MS):
+            return
+        while True:
+            try:
+                item = self.recv.recv_pyobj(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if isinstance(item, DebugControlReq):
+                self.control(item.cmd)
+            elif isinstance(item, (GetInternalStateReq, FlushCacheReqInput)):
+                self.scheduler.process_input_requests([item])  # answered now, between iterations, paused or not
+            else:
+                self.scheduler.send(item)
+
+    def control(self, cmd: str) -> None:
+        if cmd in ("pause", "step"):
+            self.paused = True
+            self.steps += cmd == "step"
+        elif cmd == "run":
+            self.paused, self.steps = False, 0
+        self.to_tokenizer.send_pyobj(DebugControlReqOutput(self.paused, self.scheduler.iteration))
+
+
+class EventPublisher:
+    """The scheduler's events for the server's ``/debug/events`` readers (``sglite tui
+    --attach``), on a ZMQ XPUB socket. It subscribes to the EventBus only while a reader
+    is there, and ships at most every SHIP_INTERVAL seconds, the newest iteration of a
+    shipment with a SchedulerSnapshot (as the TUI's own host does; a new reader's first
+    shipment carries the whole radix tree)."""
+
+    def __init__(self, ctx: Any, address: str, scheduler: Any):
+        import zmq
+
+        self.sock = ctx.socket(zmq.XPUB)
+        self.sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscribe, not only the first of a topic
+        if hasattr(zmq, "XPUB_VERBOSER"):
+            self.sock.setsockopt(zmq.XPUB_VERBOSER, 1)  # every unsubscribe too
+        self.sock.bind(address)
+        self.scheduler, self.readers = scheduler, 0
+        self.events: list[Any] = []
+        self._unsubscribe: Callable[[], None] | None = None
+        self._shipped_at, self._full_tree = 0.0, False
+
+    def poll(self) -> None:
+        """Count readers coming and going (XPUB's subscribe / unsubscribe messages)."""
+        import zmq
+
+        while True:
+            try:
+                msg = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if msg[:1] == b"\x01":
+                self.readers, self._full_tree = self.readers + 1, True
+            elif msg[:1] == b"\x00":
+                self.readers = max(0, self.readers - 1)
+        if self.readers and self._unsubscribe is None:
+            self._unsubscribe = self.scheduler.event_bus.subscribe(self.events.append)
+        elif not self.readers and self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe, self.events[:] = None, []
+
+    def ship(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self.events or (not force and now - self._shipped_at < SHIP_INTERVAL):
+            return
+        events, self.events[:] = list(self.events), []
+        self.sock.send_pyobj(self.scheduler.observer.with_snapshot(events, full_tree=self._full_tree))
+        self._shipped_at, self._full_tree = now, False

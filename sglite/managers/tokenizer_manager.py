@@ -62,7 +62,13 @@ class TokenizerManager:
         if input_ids is not None:
             return None, self._check_ids(input_ids)
         if messages is not None:
-            prompt = self._need_tokenizer().apply_chat_template(_check_messages(messages), add_generation_prompt=True)
+            messages = _check_messages(messages)
+            try:
+                prompt = self._need_tokenizer().apply_chat_template(messages, add_generation_prompt=True)
+            except RequestError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a template is code from the model's files: any error
+                raise RequestError(f"the chat template failed: {type(e).__name__}: {e}") from None
         if not isinstance(prompt, str):
             raise RequestError(f"the prompt must be a string, got {type(prompt).__name__}")
         return prompt, self._need_tokenizer().encode(prompt) if prompt else []

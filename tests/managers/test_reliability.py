@@ -240,3 +240,21 @@ def test_a_round_that_raises_fails_its_requests_and_the_engine_serves_on(overlap
     assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in out)
     assert engine.generate(input_ids=[5, 6, 7], sampling_params=GOOD)["output_ids"] == want
     engine.step()  # idle: the page walk finds nothing leaked or free twice
+
+
+@pytest.mark.parametrize("template,message", [
+    ("{{ raise_exception('only user turns, please') }}", "the chat template failed: ValueError: chat template: "
+                                                          "only user turns, please"),
+    ("{{ 1 // 0 }}", "the chat template failed: ZeroDivisionError"),
+    ("{% for m in messages %}{{ m.content | nosuchfilter }}{% endfor %}", "the chat template failed"),
+])
+def test_a_chat_template_that_raises_fails_only_its_request(template, message):
+    """The template is code from the model's files: whatever it raises is that request's
+    error; the engine and the other requests run on."""
+    engine = Engine("tiny-random", log_level="error")
+    engine.tokenizer.chat_template, engine.tokenizer._template = template, None
+    out = engine.generate(messages=[[{"role": "user", "content": "hi"}]], sampling_params={"max_new_tokens": 2})
+    assert message in out[0]["error"] and out[0]["meta_info"]["finish_reason"]["type"] == "abort"
+    ok = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})
+    assert "error" not in ok and len(ok["output_ids"]) == 2
+    engine.shutdown()
