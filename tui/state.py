@@ -20,7 +20,16 @@ LOG_KEEP = 200
 # why admission stopped (AdmissionStopped.reason) in plain words
 ADMISSION_WORDS = {"EMPTY_QUEUE": "queue empty", "NO_TOKEN": "KV pool full", "OTHER": "prefill budget spent",
                    "MAX_RUNNING_REQUESTS": "max running reqs", "IN_BATCH_PREFIX_WAIT": "waits on a shared prefix"}
+RID_WIDTH = 16  # longer rids (a server's are uuids) show as their head and tail
 THROUGHPUT_WINDOW = 2.0  # seconds of output tokens the tok/s figure averages over
+
+
+def short_rid(rid: str, width: int = RID_WIDTH) -> str:
+    """``cmpl-7f388f…-0-0`` for a long rid; short ones as they are."""
+    if len(rid) <= width:
+        return rid
+    tail = min(6, width // 3)
+    return f"{rid[: width - tail - 1]}…{rid[-tail:]}"
 
 
 @dataclass
@@ -181,27 +190,27 @@ class ViewBuilder:
             what = f"admitted: prefix {e.prefix_len} cached, +{e.extend_len} computed" + (" (chunk)" if e.chunked else "")
             r.timeline.append((it, what))
             if e.prefix_len:
-                self.add_log(it, f"[green]hit[/] {e.rid}: {e.prefix_len} cached + {e.extend_len} new")
+                self.add_log(it, f"[green]hit[/] {short_rid(e.rid)}: {e.prefix_len} cached + {e.extend_len} new")
         elif isinstance(e, ev.ReqChunked):
             r.chunks.append((it, e.computed_len, e.total_len))
             r.timeline.append((it, f"chunk {e.chunk_index} done, {e.computed_len}/{e.total_len}"))
-            self.add_log(it, f"[cyan]chunk[/] {e.rid} #{e.chunk_index} {e.computed_len}/{e.total_len}")
+            self.add_log(it, f"[cyan]chunk[/] {short_rid(e.rid)} #{e.chunk_index} {e.computed_len}/{e.total_len}")
         elif isinstance(e, ev.ReqRetracted):
             self.retractions += 1
             self.queued_at[e.rid] = it
             r.retracted.append(it)
             r.timeline.append((it, f"retracted at {e.output_tokens} tokens"))
-            self.add_log(it, f"[red]retract[/] {e.rid} at {e.output_tokens} tok, "
+            self.add_log(it, f"[red]retract[/] {short_rid(e.rid)} at {e.output_tokens} tok, "
                              f"new_token_ratio {e.old_new_token_ratio:.3f}->{e.new_token_ratio:.3f}")
         elif isinstance(e, ev.ReqFinished):
             self.finished += 1
             r.ended = (it, f"finished: {e.reason}")
             r.timeline.append((it, f"finished: {e.reason}, {e.completion_tokens} tokens"))
-            self.add_log(it, f"done {e.rid} {e.reason} {e.completion_tokens} tok")
+            self.add_log(it, f"done {short_rid(e.rid)} {e.reason} {e.completion_tokens} tok")
         elif isinstance(e, ev.ReqAborted):
             r.ended = (it, f"aborted: {e.reason}")
             r.timeline.append((it, f"aborted: {e.reason}"))
-            self.add_log(it, f"[red]abort[/] {e.rid}: {e.reason}")
+            self.add_log(it, f"[red]abort[/] {short_rid(e.rid)}: {e.reason}")
         else:  # TokensEmitted
             if not r.output_tokens:
                 r.timeline.append((it, "first token"))

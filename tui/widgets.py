@@ -15,6 +15,7 @@ from textual.widget import Widget
 from textual.widgets import Static
 
 from sglite.events import TreeNodeRow
+from tui.state import short_rid
 
 
 class TextLines(Widget):
@@ -172,7 +173,8 @@ class RowTable(TextLines):
         if key == self._key:
             return
         self._key, self.rows, self.selected, self.notes = key, rows, selected, tuple(notes)
-        for r in rows:
+        cells = [(short_rid(r[0]),) + r[1:] for r in rows]  # (a server's rids are uuids)
+        for r in cells:
             self._widths = [max(w, len(c)) for w, c in zip(self._widths, r)]
         fit = height - 1 - len(notes)  # the header takes a line
         shown = rows if len(rows) <= fit else rows[: max(0, fit - 1)]
@@ -182,7 +184,7 @@ class RowTable(TextLines):
             return " ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(cells, self._widths)))
 
         lines = [Text(n, style="italic") for n in notes] + [Text(line(self.columns), style="bold")]
-        lines += [Text(line(r), style="reverse" if r[0] == selected else "") for r in shown]
+        lines += [Text(line(c), style="reverse" if r[0] == selected else "") for r, c in zip(shown, cells)]
         if len(shown) < len(rows):
             lines.append(Text(f"+{len(rows) - len(shown)} more", style="dim"))
         self.set_lines(lines)

@@ -17,6 +17,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
+from sglite import events as ev
 from sglite.managers.io_struct import (BatchTokenIDOut, DebugControlReq, DebugControlReqOutput, FlushCacheReqInput,
                                       GetInternalStateReq)
 from sglite.server_args import PortArgs, ServerArgs
@@ -113,12 +114,26 @@ class SchedulerProcessLoop:
             next(loop)
             self.steps = max(0, self.steps - 1)
             if self.outputs:
+                self._emit_tokens(self.outputs)
                 self.to_detokenizer.send_pyobj(list(self.outputs))
                 self.outputs.clear()
             idle = not self.scheduler.has_work()
             if self.metrics is not None:
                 self.metrics.update(self.scheduler, force=idle)  # an idle server reports 0 running
             self.publisher.ship(force=idle or self.paused)
+
+    def _emit_tokens(self, outputs: list[BatchTokenIDOut]) -> None:
+        """TokensEmitted for this process's viewers (the TUI attached, tracing's per-token
+        events, a recording): offline the DetokenizerManager emits it, here it runs in
+        another process. The text is this round's tokens decoded on their own (a
+        character split across rounds may show as two halves)."""
+        bus, tok = self.scheduler.event_bus, self.scheduler.tokenizer
+        if not bus.active:
+            return
+        for out in outputs:
+            if out.new_token_ids:
+                text = tok.decode(out.new_token_ids, skip_special_tokens=out.skip_special_tokens) if tok else ""
+                bus.emit(ev.TokensEmitted, rid=out.rid, token_ids=tuple(out.new_token_ids), text=text)
 
     def receive(self, block: bool) -> None:
         """Move what arrived into the scheduler's queue (its recv_requests takes it at the

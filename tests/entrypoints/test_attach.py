@@ -13,6 +13,7 @@ import httpx
 from tests.entrypoints.test_http_server import Server
 from tui.app import LiveFeed, SchedulerApp
 from tui.remote import RemoteConnection
+from tui.state import short_rid
 from tui.workloads import QUESTIONS
 
 
@@ -53,6 +54,12 @@ def test_attached_screen_sees_a_retract_and_steps_the_server():
             assert app.feed.builder.retractions > 0, "no retraction seen"
             assert seen_running >= 2 and app.last_view.pool_total == 1024
             assert any("retract" in line for line in app.feed.builder.log)
+            # tokens are counted (tok/s, out/max) and the detail has text, though the
+            # server's detokenizer is another process
+            assert max(app.last_view.throughput_history) > 0
+            assert any(r.tokens_at(app.last_view.iteration) > 0 and r.text for r in app.requests.values())
+            rid = app.last_view.running[0][0]
+            assert len(rid) > 30 and short_rid(rid) in app.query_one("#running").plain  # uuid rids shortened
             await pilot.press("space")  # pause the server's scheduler
             await pilot.pause(0.5)
             before = control(server.url, "status")
