@@ -71,6 +71,8 @@ class ServerArgs:
                                    "call that leaves the GIL (the cpu attention backend only)")
     # observability
     decode_log_interval: int = _opt(40, "log a 'Decode batch.' line every N decode rounds")
+    stream_interval: int = _opt(1, "send a request's new tokens on every Nth (and its first and last): "
+                                   "fewer, larger stream chunks")
     log_level: str = _opt("warning", "logging level of the sglite logger", choices=("debug", "info", "warning", "error"))
     enable_self_check: bool = _opt(False, "when idle, also walk every KV page (free, cached, or held; never two) on "
                                    "top of the O(1) accounting check that always runs; slow on a big pool")
@@ -111,6 +113,7 @@ class ServerArgs:
         positive = {"context_length": self.context_length, "max_total_tokens": self.max_total_tokens,
                     "max_running_requests": self.max_running_requests, "max_prefill_tokens": self.max_prefill_tokens,
                     "decode_log_interval": self.decode_log_interval, "cuda_graph_max_bs": self.cuda_graph_max_bs,
+                    "stream_interval": self.stream_interval,
                     "page_size": self.page_size, "schedule_conservativeness": self.schedule_conservativeness,
                     "waiting_timeout": self.waiting_timeout, "running_timeout": self.running_timeout}
         for name, v in positive.items():

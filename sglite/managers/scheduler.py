@@ -450,7 +450,10 @@ class Scheduler:
             if req.finished():
                 req.completion_time = time.perf_counter()
                 self.tree_cache.cache_finished_req(req)
-            self.stream_output(req)
+            # SGLang's stream_interval: the first token, every Nth, and the last
+            unsent = len(req.output_ids) - req.send_token_offset
+            if req.finished() or req.send_token_offset == 0 or unsent >= self.server_args.stream_interval:
+                self.stream_output(req)
 
     def stream_output(self, req: Req) -> None:
         """Send the request's new tokens to the detokenizer (and, once finished, what it

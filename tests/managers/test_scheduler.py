@@ -247,3 +247,17 @@ def test_freeze_gc_keeps_outputs_and_shutdown_gives_the_heap_back():
     assert after == before
     engine.shutdown()
     assert gc.get_freeze_count() == 0
+
+
+def test_stream_interval_sends_the_first_every_nth_and_the_last_token():
+    """SGLang's --stream-interval: fewer, larger chunks; the same tokens."""
+    from sglite.engine import Engine
+
+    solo = Engine("tiny-random", log_level="error").generate(
+        input_ids=[3, 4, 5], sampling_params={"max_new_tokens": 10, "temperature": 0})
+    engine = Engine("tiny-random", stream_interval=4, log_level="error")
+    chunks = list(engine.generate(input_ids=[3, 4, 5], sampling_params={"max_new_tokens": 10, "temperature": 0},
+                                  stream=True))
+    assert [len(c["output_ids"]) for c in chunks] == [1, 4, 4, 1]
+    assert sum((c["output_ids"] for c in chunks), []) == solo["output_ids"]
+    assert "".join(c["text"] for c in chunks) == solo["text"]
