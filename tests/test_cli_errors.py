@@ -40,6 +40,10 @@ BAD_COMMANDS: list[tuple[str, list[str], str]] = [
     ("bench --hf-batch-sizes x", ["bench", "--hf-batch-sizes", "x"], "--hf-batch-sizes must be a comma list"),
     ("bench --model-path missing", ["bench", "--model-path", "/nonexistent/m.gguf"], "not a file or folder"),
     ("bench --ablations nope", ["bench", "--ablations", "nope"], "unknown ablation(s) nope"),
+    ("serve --port 0", ["serve", "--port", "0"], "--port must be in 1..65535"),
+    ("serve: a model path that does not exist", ["serve", "--model-path", "/nonexistent/m.gguf"], "not a file or folder"),
+    ("tui --attach without a URL scheme", ["tui", "--attach", "127.0.0.1:30000"], "--attach needs a URL"),
+    ("bench-serving --max-concurrency 0", ["bench-serving", "--max-concurrency", "0"], "--max-concurrency must be"),
 ]
 
 

@@ -108,3 +108,15 @@ def test_without_debug_control_the_server_cannot_be_paused():
         conn.close()
     finally:
         server.stop()
+
+
+def test_attach_to_nothing_is_one_line():
+    from tests.entrypoints.test_http_server import free_port
+
+    conn = RemoteConnection(f"http://127.0.0.1:{free_port()}")
+    try:
+        conn.wait_ready(timeout=2)
+    except RuntimeError as e:
+        assert str(e).startswith("no sglite server answers at http://127.0.0.1:")
+    else:
+        raise AssertionError("attached to nothing")
