@@ -160,6 +160,11 @@ def _launch_subprocesses(server_args: ServerArgs, port_args: PortArgs, labels: d
     from sglite.managers.scheduler_process import run_scheduler_process
 
     ctx = multiprocessing.get_context("spawn")
+    # the scheduler's OpenMP threads share the cores with this process, the detokenizer
+    # and often the clients: threads that sleep rather than spin while they wait lose
+    # less to them (+4-8 % at 32 in flight on 2 cores, benchmarks/results/serving-*.md);
+    # the children read it when they start (OMP_WAIT_POLICY set by the user wins)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     reader, writer = ctx.Pipe(duplex=False)
     scheduler = ctx.Process(target=run_scheduler_process, args=(server_args, port_args, writer, labels, viewer_args),
                             name="sglite::scheduler", daemon=True)
