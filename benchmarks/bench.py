@@ -377,14 +377,12 @@ def write_document(results: dict[str, tuple[Workload, list[Row]]], run_args: dic
 def check_args(args: argparse.Namespace) -> list[int]:
     """Every argument, before anything loads (a ValueError names the bad one); returns
     the transformers batch sizes to try."""
-    from sglite.server_args import KNOWN_MODELS
+    from sglite.cli import check_model_path
 
     for flag, value in (("--repeat", args.repeat), ("--requests", args.requests), ("--threads", args.threads)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
-    if args.model_path not in KNOWN_MODELS and not os.path.exists(os.path.expanduser(args.model_path)):
-        raise ValueError(f"--model-path {args.model_path!r}: not a file or folder, and not one of: "
-                         f"{', '.join(KNOWN_MODELS)}")
+    check_model_path(args.model_path)
     select_ablations(args.ablations)
     if not args.hf_batch_sizes:
         return list(HF_BATCH_SIZES_QUICK if args.quick else HF_BATCH_SIZES)

@@ -45,14 +45,18 @@ def check_output_path(path: str | None, flag: str) -> None:
         raise ValueError(f"{flag} {path} is a folder, not a file")
 
 
+def check_model_path(model: str) -> None:
+    """--model-path names a registry model or something that exists (before loading)."""
+    if model not in KNOWN_MODELS and not os.path.exists(os.path.expanduser(model)):
+        raise ValueError(f"--model-path {model!r}: not a file or folder, and not one of: {', '.join(KNOWN_MODELS)}")
+
+
 def check_engine_args(args: argparse.Namespace) -> ServerArgs:
     """Everything about an engine command's arguments that can be known before loading
     anything: the model path names a model or exists, output files have a folder, the
     plugins' options are sane, and every server argument is in range. Raises ValueError
     with a one-line reason (``main`` prints it), well under a second after the start."""
-    model = args.model_path
-    if model not in KNOWN_MODELS and not os.path.exists(os.path.expanduser(model)):
-        raise ValueError(f"--model-path {model!r}: not a file or folder, and not one of: {', '.join(KNOWN_MODELS)}")
+    check_model_path(args.model_path)
     check_output_path(getattr(args, "record", None), "--record")
     for plugin in plugins():
         if hasattr(plugin, "check_args"):

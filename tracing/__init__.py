@@ -29,23 +29,31 @@ class Tracing:
         self.provider.shutdown()
 
 
-def setup_tracing(bus: EventBus, level: int = TRACE_LEVEL_ITERATIONS, *, otlp_endpoint: str | None = None,
-                  jsonl_path: str | None = None, console: bool = False, exporters: list[Any] | None = None,
-                  batch: bool = True, model: str = "") -> Tracing | None:
-    """Subscribe an OpenTelemetry span builder to ``bus``. Level 0 returns None."""
-    if level <= 0:
-        return None
+def make_exporters(otlp_endpoint: str | None, jsonl_path: str | None, console: bool) -> list[Any]:
+    """The span exporters the tracing options name (OTLP, a JSON-lines file, stdout)."""
     from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-    from tracing.otel import JsonlSpanExporter, SpanListener, make_provider, otlp_exporter
+    from tracing.otel import JsonlSpanExporter, otlp_exporter
 
-    exps = list(exporters or [])
+    exps: list[Any] = []
     if otlp_endpoint:
         exps.append(otlp_exporter(otlp_endpoint))
     if jsonl_path:
         exps.append(JsonlSpanExporter(jsonl_path))
     if console:
         exps.append(ConsoleSpanExporter())
+    return exps
+
+
+def setup_tracing(bus: EventBus, level: int = TRACE_LEVEL_ITERATIONS, *, otlp_endpoint: str | None = None,
+                  jsonl_path: str | None = None, console: bool = False, exporters: list[Any] | None = None,
+                  batch: bool = True, model: str = "") -> Tracing | None:
+    """Subscribe an OpenTelemetry span builder to ``bus``. Level 0 returns None."""
+    if level <= 0:
+        return None
+    from tracing.otel import SpanListener, make_provider
+
+    exps = list(exporters or []) + make_exporters(otlp_endpoint, jsonl_path, console)
     provider = make_provider(exps, batch=batch)
     builder = TimelineBuilder(SpanListener(provider.get_tracer("sglite")), level, model)
     return Tracing(builder, provider, exps, bus.subscribe(builder))

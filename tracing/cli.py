@@ -28,11 +28,16 @@ def check_args(args: argparse.Namespace) -> None:
     check_output_path(getattr(args, "trace_jsonl", None), "--trace-jsonl")
 
 
+def _level(args: argparse.Namespace) -> tuple[int, bool]:
+    """The trace level the options ask for, and whether they name an exporter."""
+    wants = bool(args.otlp_traces_endpoint or args.trace_jsonl or args.trace_console)
+    return (args.trace_level if args.trace_level is not None else (2 if wants else 0)), wants
+
+
 def attach(bus: Any, args: argparse.Namespace, model: str) -> Callable[[], None] | None:
     from tracing import setup_tracing
 
-    wants = args.otlp_traces_endpoint or args.trace_jsonl or args.trace_console
-    level = args.trace_level if args.trace_level is not None else (2 if wants else 0)
+    level, wants = _level(args)
     if level and not wants:
         print("warning: --trace-level given without an exporter (--otlp-traces-endpoint, --trace-jsonl, "
               "--trace-console); spans go nowhere", file=sys.stderr)
@@ -42,31 +47,24 @@ def attach(bus: Any, args: argparse.Namespace, model: str) -> Callable[[], None]
 
 
 def attach_http(args: argparse.Namespace, model: str) -> tuple[Any, Callable[[], None]] | None:
-    """``sglite serve``'s main process: a tracer for one SERVER span per HTTP request
-    (the parent of the request's spans in the scheduler process), exported where the
+    """``sglite serve``'s main process: HttpSpans, one SERVER span per HTTP request (the
+    parent of the request's spans in the scheduler process), exported where the
     scheduler's spans go; None when tracing is off."""
-    wants = args.otlp_traces_endpoint or args.trace_jsonl or args.trace_console
-    level = args.trace_level if args.trace_level is not None else (2 if wants else 0)
+    level, wants = _level(args)
     if not level or not wants:
         return None
-    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+    from tracing import make_exporters
+    from tracing.otel import HttpSpans, make_provider
 
-    from tracing.otel import JsonlSpanExporter, make_provider, otlp_exporter
-
-    exporters: list[Any] = []
-    if args.otlp_traces_endpoint:
-        exporters.append(otlp_exporter(args.otlp_traces_endpoint))
-    if args.trace_jsonl:  # the scheduler writes its spans to the file itself: the server's go beside it
-        exporters.append(JsonlSpanExporter(f"{args.trace_jsonl}.http"))
-    if args.trace_console:
-        exporters.append(ConsoleSpanExporter())
-    provider = make_provider(exporters)
+    # the scheduler writes its spans to --trace-jsonl itself: the server's go beside it
+    jsonl = f"{args.trace_jsonl}.http" if args.trace_jsonl else None
+    provider = make_provider(make_exporters(args.otlp_traces_endpoint, jsonl, args.trace_console))
 
     def close() -> None:
         provider.force_flush(timeout_millis=5000)
         provider.shutdown()
 
-    return provider.get_tracer("sglite.http"), close
+    return HttpSpans(provider.get_tracer("sglite.http")), close
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:

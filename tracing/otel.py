@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -99,6 +99,33 @@ class WarnOnceExporter(SpanExporter):
         return True
 
 
+class HttpSpans:
+    """``sglite serve``'s SERVER span per generation request: a child of the client's W3C
+    ``traceparent`` (when it sent one), and the parent whose traceparent the request
+    carries to the scheduler process."""
+
+    def __init__(self, tracer: trace.Tracer):
+        self.tracer = tracer
+        self.propagator = TraceContextTextMapPropagator()
+
+    def start(self, method: str, path: str, headers: dict[str, str]) -> tuple[str, Callable[[int | None, str], None]]:
+        """The traceparent to hand on, and ``end(status_code, error)`` for the span."""
+        span = self.tracer.start_span(f"{method} {path}", context=self.propagator.extract(headers),
+                                      kind=trace.SpanKind.SERVER,
+                                      attributes={"http.request.method": method, "url.path": path})
+        carrier: dict[str, str] = {}
+        self.propagator.inject(carrier, context=trace.set_span_in_context(span))
+
+        def end(status_code: int | None, error: str = "") -> None:
+            if status_code is not None:
+                span.set_attribute("http.response.status_code", status_code)
+            if error:
+                span.set_status(Status(StatusCode.ERROR, error))
+            span.end()
+
+        return carrier.get("traceparent", ""), end
+
+
 def otlp_exporter(endpoint: str, protocol: str | None = None, timeout: float = 2.0) -> SpanExporter:
     """``endpoint`` like SGLang's ``--otlp-traces-endpoint localhost:4317``. The protocol
     comes from OTEL_EXPORTER_OTLP_TRACES_PROTOCOL (grpc, or http/protobuf on :4318)."""
@@ -131,5 +158,5 @@ def make_provider(exporters: Sequence[SpanExporter], batch: bool = True, service
     return provider
 
 
-__all__ = ["ConsoleSpanExporter", "JsonlSpanExporter", "SpanListener", "WarnOnceExporter", "make_provider",
+__all__ = ["ConsoleSpanExporter", "HttpSpans", "JsonlSpanExporter", "SpanListener", "WarnOnceExporter", "make_provider",
            "otlp_exporter"]

@@ -46,7 +46,6 @@ SCREEN_NICE = 10  # how much the screen lowers its CPU priority below the engine
 class HostState:
     """What the screen cannot learn from the scheduler's events: what the host holds."""
 
-    running: bool  # stepping by itself (not paused)
     idle: bool  # no request in the scheduler and no arrival to come
     arriving: tuple[str, ...]  # submitted, not yet taken in by recv_requests
     workloads: tuple[str, ...]  # workloads with arrivals to come or requests unfinished
@@ -119,7 +118,7 @@ class EngineHost:
         active = {a.source for a in self.pending} | set(self.unfinished.values())
         names = [n for n in dict.fromkeys(self.started) if n in active]
         nxt = [a for a in self.pending if a.at == self.pending[0].at] if self.pending else []
-        return HostState(self.running, self.idle(), tuple(self.arriving), tuple(names), self.last_workload,
+        return HostState(self.idle(), tuple(self.arriving), tuple(names), self.last_workload,
                          (len(nxt), nxt[0].at) if nxt else None)
 
     def send_state(self) -> None:

@@ -40,7 +40,7 @@ class ServerInfo:
     max_total_num_tokens: int
     max_req_input_len: int
     metrics: bool
-    tracer: Any = None  # an OpenTelemetry tracer: one SERVER span per generation request
+    http_spans: Any = None  # the tracing plugin's HttpSpans: one SERVER span per generation request
     events_address: str = ""  # the scheduler's event stream (ZMQ), for /debug/events
     debug_control: bool = False  # /debug/control may pause and step the scheduler
 
@@ -53,25 +53,15 @@ async def _traced(request: Request, info: ServerInfo, handler: Callable[[str], A
     client's trace (its W3C ``traceparent`` header) under this server's span for the
     HTTP request, which ends once the response (a whole stream) has been sent."""
     incoming = request.headers.get("traceparent", "").strip().lower()
-    if info.tracer is None:
+    if info.http_spans is None:
         return await handler(incoming if TRACEPARENT.match(incoming) else "")
-    from opentelemetry import trace
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-    propagator = TraceContextTextMapPropagator()
-    span = info.tracer.start_span(f"{request.method} {request.url.path}", context=propagator.extract(
-        dict(request.headers)), kind=trace.SpanKind.SERVER, attributes={"http.request.method": request.method,
-                                                                        "url.path": request.url.path})
-    carrier: dict[str, str] = {}
-    propagator.inject(carrier, context=trace.set_span_in_context(span))
+    parent, end = info.http_spans.start(request.method, request.url.path, dict(request.headers))
     try:
-        response = await handler(carrier.get("traceparent", ""))
+        response = await handler(parent)
     except BaseException as e:
-        span.set_status(trace.Status(trace.StatusCode.ERROR, str(e)))
-        span.end()
+        end(None, str(e))
         raise
-    span.set_attribute("http.response.status_code", response.status_code)
-    response.background = BackgroundTask(span.end)
+    response.background = BackgroundTask(end, response.status_code)
     return response
 
 

@@ -92,9 +92,9 @@ def _serve(server_args: ServerArgs, serve_args: ServeArgs, port_args: PortArgs, 
     gate = TokenizerManager(ready["tokenizer"], ready["vocab_size"], ready["max_req_input_len"],
                             ready["context_len"], ready["max_total_num_tokens"])
     manager = ServerTokenizerManager(gate, port_args, metrics)
-    tracer, close_tracer = _http_tracer(viewer_args, model_name)
+    http_spans, close_tracer = _http_spans(viewer_args, model_name)
     info = ServerInfo(server_args, model_name, ready["max_total_num_tokens"], ready["max_req_input_len"],
-                      serve_args.enable_metrics, tracer, port_args.events_ipc_name, serve_args.enable_debug_control)
+                      serve_args.enable_metrics, http_spans, port_args.events_ipc_name, serve_args.enable_debug_control)
     app = build_app(manager, info)
     config = uvicorn.Config(app, host=serve_args.host, port=serve_args.port, log_level="warning",
                             timeout_graceful_shutdown=5)
@@ -114,8 +114,8 @@ def _serve(server_args: ServerArgs, serve_args: ServeArgs, port_args: PortArgs, 
     return 1 if getattr(server, "sglite_child_died", False) else 0
 
 
-def _http_tracer(viewer_args: Any, model_name: str) -> tuple[Any, Callable[[], None]]:
-    """The tracing plugin's tracer for the HTTP side, when tracing is on."""
+def _http_spans(viewer_args: Any, model_name: str) -> tuple[Any, Callable[[], None]]:
+    """The tracing plugin's spans for the HTTP side, when tracing is on."""
     from sglite.cli import plugins
 
     for plugin in plugins() if viewer_args is not None else []:

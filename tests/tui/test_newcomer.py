@@ -56,6 +56,13 @@ def top_line(app: SchedulerApp) -> str:
     return str(app.query_one("#titlebar").render())
 
 
+async def step(host: EngineHost, app: SchedulerApp, pilot) -> None:
+    """One iteration (n), drawn."""
+    host.step()
+    app._tick()
+    await pilot.pause()
+
+
 async def run_until_idle(host: EngineHost, app: SchedulerApp, pilot, limit: int = 2000) -> None:
     for _ in range(limit):
         if host.idle():
@@ -72,9 +79,7 @@ def test_title_names_the_workload_now_running():
     async def scenario():
         engine, host, conn, app = live_app()
         async with app.run_test(size=(200, 50)) as pilot:
-            host.step()
-            app._tick()
-            await pilot.pause()
+            await step(host, app, pilot)
             assert "workload pool-pressure" in top_line(app)
             await pilot.press("w", *"steady", "enter")
             assert apply_commands(host, conn) == [("workload", "steady")]
@@ -94,9 +99,7 @@ def test_every_key_is_reachable_at_every_size(size):
     async def scenario():
         engine, host, conn, app = live_app()
         async with app.run_test(size=size) as pilot:
-            host.step()
-            app._tick()
-            await pilot.pause()
+            await step(host, app, pilot)
             footer = screen_lines(app)[-1]
             for shown in ("q quit", "? help", "n step", "a prompt", "w workload", "p policy", "s select", "d detail"):
                 assert shown in footer, (size, footer)
@@ -185,9 +188,7 @@ def test_a_prompt_added_while_paused_shows_as_arriving_until_recv_requests():
     async def scenario():
         engine, host, conn, app = live_app()
         async with app.run_test(size=(200, 50)) as pilot:
-            host.step()
-            app._tick()
-            await pilot.pause()
+            await step(host, app, pilot)
             await pilot.press("a", *"hello", "enter")
             apply_commands(host, conn)
             app._tick()
@@ -201,9 +202,7 @@ def test_a_prompt_added_while_paused_shows_as_arriving_until_recv_requests():
             body = str(app.screen.query_one("#detail-body").render())
             assert body == "r12: arriving (received at the next iteration's recv_requests)"
             await pilot.press("escape")
-            host.step()  # n: recv_requests takes it in
-            app._tick()
-            await pilot.pause()
+            await step(host, app, pilot)  # n: recv_requests takes it in
             assert waiting.notes == ()
             assert "r12" in [r[0] for r in app.last_view.waiting] + [r[0] for r in app.last_view.running]
             # one counter: the title and the plan name the same iteration
@@ -221,9 +220,7 @@ def test_help_explains_every_term_on_screen_and_the_tree_shows_text():
         engine, host, conn, app = live_app()
         async with app.run_test(size=(200, 50)) as pilot:
             for _ in range(40):
-                host.step()
-            app._tick()
-            await pilot.pause()
+                await step(host, app, pilot)
             pool = app.query_one("#pool").plain
             assert "\nnew_token_ratio 0." in pool and "\nadmit: " in pool and "\nratio" not in pool
             log = "\n".join(str(line.text) for line in app.query_one("#log").lines)
