@@ -19,7 +19,8 @@ HISTORY = 120  # points kept for the hit-rate and throughput sparklines
 LOG_KEEP = 200
 # why admission stopped (AdmissionStopped.reason) in plain words
 ADMISSION_WORDS = {"EMPTY_QUEUE": "queue empty", "NO_TOKEN": "KV pool full", "OTHER": "prefill budget spent",
-                   "MAX_RUNNING_REQUESTS": "max running reqs", "IN_BATCH_PREFIX_WAIT": "waits on a shared prefix"}
+                   "MAX_RUNNING_REQUESTS": "max running reqs", "IN_BATCH_PREFIX_WAIT": "waits on a shared prefix",
+                   "FAILED_ROUND_TRIAL": "a failed round's requests re-run one at a time"}
 RID_WIDTH = 16  # longer rids (a server's are uuids) show as their head and tail
 THROUGHPUT_WINDOW = 2.0  # seconds of output tokens the tok/s figure averages over
 

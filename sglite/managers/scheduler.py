@@ -32,6 +32,8 @@ from sglite.server_args import ServerArgs
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
+# a request of a failed round is on trial (runs alone) until it has this many more tokens
+TRIAL_TOKENS = 2
 
 RecvItem = TokenizedGenerateReqInput | AbortReq | FlushCacheReqInput | GetInternalStateReq
 ControlOutput = FlushCacheReqOutput | GetInternalStateReqOutput
@@ -71,6 +73,8 @@ class Scheduler:
         self.cur_batch: ScheduleBatch | None = None
         self.chunked_req: Req | None = None
         self.result_queue: deque[tuple[ScheduleBatch, GenerationBatchResult]] = deque()  # overlap only
+        # requests of a failed round, each run alone until it reaches its output length
+        self.on_trial: list[tuple[Req, int]] = []
 
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * server_args.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = min(self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
@@ -357,6 +361,7 @@ class Scheduler:
         if not can_run:
             return None
         new_batch = self._new_batch(can_run, self.chunked_req)
+        self.cur_batch = new_batch  # if preparing it raises, fail_round finds its requests here
         new_batch.prepare_for_extend()
         self.observer.on_prefill_batch(can_run, adder, running_bs)
         if mixed:
@@ -373,7 +378,10 @@ class Scheduler:
         result = adder.budget_state()
         if result != AddReqResult.CONTINUE:
             return result.name
-        for req in self.waiting_queue:
+        candidates = self._admission_candidates(running_bs)
+        if candidates is None:
+            return "FAILED_ROUND_TRIAL"
+        for req in candidates:
             if running_bs + len(adder.can_run_list) >= self.max_running_requests:
                 self.running_batch.batch_is_full = True
                 return "MAX_RUNNING_REQUESTS"
@@ -384,6 +392,18 @@ class Scheduler:
                     self.running_batch.batch_is_full = True
                 return result.name
         return ""
+
+    def _admission_candidates(self, running_bs: int) -> list[Req] | None:
+        """The waiting requests admission may offer; None: none may run this round.
+        While requests of a failed round are on trial (fail_round), one of them runs at
+        a time, alone: nothing else is admitted until the last one passes."""
+        self.on_trial = [(r, n) for r, n in self.on_trial if not r.finished() and len(r.output_ids) < n]
+        if not self.on_trial:
+            return self.waiting_queue
+        waiting = set(map(id, self.waiting_queue))
+        if running_bs or self.chunked_req is not None:
+            return None
+        return [r for r, _ in self.on_trial if id(r) in waiting][:1] or None
 
     def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch:
         """The decode round: retract requests when the pool cannot hold one more token
@@ -481,22 +501,48 @@ class Scheduler:
         self.runtime_checker.self_check_during_idle(full=self.server_args.enable_self_check)
 
     def fail_round(self, error: Exception) -> None:
-        """A round raised: answer every request in it with the error, free what they
-        hold (and anything the round left owned by nobody), start the next round clean."""
-        logger.error("iteration %d failed; its requests are aborted", self.iteration, exc_info=error)
+        """A round raised. With one request in it, that request gets the error. With
+        more, any of them may be the culprit and the rest innocent batch-mates: all go
+        back to the waiting queue and re-run one at a time (on trial); whichever fails
+        alone gets the error, the others run on (tests/managers/test_reliability.py)."""
+        logger.error("iteration %d failed", self.iteration, exc_info=error)
         for _, result in self.result_queue:
             result.done.wait()  # (overlap) no forward may still write KV slots freed below
-        batches = [b for b in (self.cur_batch, self.last_batch) if b is not None]
+        batches = [b for b in (self.cur_batch, self.last_batch, self.running_batch) if b is not None]
         batches += [b for b, _ in self.result_queue]
         self.result_queue.clear()
         self.req_to_token_pool.mark_forward_done(self.forward_ct)
+        in_round = [r for b in batches for r in b.reqs] + ([self.chunked_req] if self.chunked_req else [])
+        suspects = list({id(r): r for r in in_round if not r.finished()}.values())
         message = f"internal error in iteration {self.iteration}: " + " ".join(f"{type(error).__name__}: {error}".split())
-        for req in {id(r): r for b in batches for r in b.reqs if not r.finished()}.values():
-            req.future_token_id = None
-            self._abort_now(req, message[:300], is_error=True)
+        if len(suspects) > 1:
+            self._retract_all_for_trial(suspects, message)
+        elif suspects:
+            suspects[0].future_token_id = None
+            self._abort_now(suspects[0], message[:300], is_error=True)
         self.running_batch.filter_batch()
         self.cur_batch = self.last_batch = None
         self.runtime_checker.reclaim_leaked()
+
+    def _retract_all_for_trial(self, suspects: list[Req], message: str) -> None:
+        """Retract every request that holds KV and empty the cache and pools (the failed
+        round may have left KV half written); the suspects go first in the queue, each
+        on trial until it has TRIAL_TOKENS more tokens."""
+        waiting = set(map(id, self.waiting_queue))
+        held = [r for r in {id(r): r for r in suspects + self.live_reqs()}.values() if id(r) not in waiting]
+        for req in held:
+            req.reset_for_retract()
+            req.req_pool_idx, req.is_chunked = None, 0
+        self.chunked_req = None
+        self.running_batch = self._new_batch([])
+        self.tree_cache.reset()
+        self.req_to_token_pool.clear()
+        self.token_to_kv_pool_allocator.clear()
+        on_trial = set(map(id, suspects))
+        self.waiting_queue = suspects + [r for r in held + self.waiting_queue if id(r) not in on_trial]
+        self.on_trial += [(r, len(r.output_ids) + TRIAL_TOKENS) for r in suspects]
+        self.observer.on_retract(held, self.new_token_ratio, self.new_token_ratio,
+                                 reason=f"{message[:200]}; its requests re-run one at a time")
 
     # --- control ----------------------------------------------------------------------
 

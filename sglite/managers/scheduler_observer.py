@@ -105,12 +105,13 @@ class SchedulerObserver:
             running_bs, len(self.scheduler.waiting_queue),
         )
 
-    def on_retract(self, retracted: list["Req"], old_ratio: float, new_ratio: float) -> None:
+    def on_retract(self, retracted: list["Req"], old_ratio: float, new_ratio: float,
+                   reason: str = "KV cache pool is full") -> None:
         self.num_retracted_reqs += len(retracted)
-        logger.warning("KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f -> %.4f",
-                       len(retracted), old_ratio, new_ratio)
+        logger.warning("%s. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f -> %.4f",
+                       reason, len(retracted), old_ratio, new_ratio)
         for req in retracted:
-            self.event_bus.emit(ev.ReqRetracted, rid=req.rid, reason="KV cache pool is full",
+            self.event_bus.emit(ev.ReqRetracted, rid=req.rid, reason=reason,
                                 old_new_token_ratio=old_ratio, new_token_ratio=new_ratio,
                                 output_tokens=len(req.output_ids))
 

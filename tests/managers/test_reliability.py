@@ -219,26 +219,61 @@ def test_a_batch_of_chats():
                                               for c in chats]
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_a_round_that_raises_fails_its_requests_and_the_engine_serves_on(overlap, monkeypatch):
+def _fail_in_from_reqs(monkeypatch, should_fail) -> None:
+    """Make building a batch's sampling info raise whenever should_fail(reqs) says so."""
     from sglite.managers import schedule_batch
 
-    engine = Engine("tiny-random", max_total_tokens=512, disable_overlap_schedule=not overlap, enable_self_check=True)
-    want = engine.generate(input_ids=[5, 6, 7], sampling_params=GOOD)["output_ids"]
     real = schedule_batch.SamplingBatchInfo.from_reqs
-    calls = {"n": 0}
 
-    def fails_once_mid_run(reqs, *args, **kw):  # the third batch built: requests hold KV by then
-        calls["n"] += 1
-        if calls["n"] == 3:
+    def from_reqs(reqs, *args, **kw):
+        if should_fail(reqs):
             raise OverflowError("a value no tensor can hold")
         return real(reqs, *args, **kw)
 
-    monkeypatch.setattr(schedule_batch.SamplingBatchInfo, "from_reqs", fails_once_mid_run)
-    out = engine.generate(input_ids=[[5, 6, 7], [8, 9, 10, 11]], sampling_params={**GOOD, "max_new_tokens": 8})
-    assert all("internal error" in o["error"] and "OverflowError" in o["error"] for o in out)
-    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in out)
-    assert engine.generate(input_ids=[5, 6, 7], sampling_params=GOOD)["output_ids"] == want
+    monkeypatch.setattr(schedule_batch.SamplingBatchInfo, "from_reqs", from_reqs)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_round_that_raises_once_is_retried_and_every_request_finishes(overlap, monkeypatch):
+    engine = Engine("tiny-random", max_total_tokens=512, disable_overlap_schedule=not overlap, enable_self_check=True)
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    params = {**GOOD, "max_new_tokens": 8}
+    want = [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
+    calls = {"n": 0}
+
+    def third_batch(reqs) -> bool:  # the third batch built: both requests hold KV by then
+        calls["n"] += 1
+        return calls["n"] == 3
+
+    _fail_in_from_reqs(monkeypatch, third_batch)
+    out = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in out] == want
+    assert [o["meta_info"]["retraction_count"] for o in out] == [1, 1]
+    engine.step()  # idle: the page walk finds nothing leaked or free twice
+
+
+POISON = 99  # a prompt starting with this token breaks any round once it has 3 output tokens
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("extra", [{}, {"chunked_prefill_size": 8, "enable_mixed_chunk": True}])
+def test_a_request_that_breaks_its_rounds_fails_alone(overlap, extra, monkeypatch):
+    engine = Engine("tiny-random", max_total_tokens=512, disable_overlap_schedule=not overlap,
+                    enable_self_check=True, **extra)
+    prompts = [[5, 6, 7], [POISON, 1, 2], list(range(10, 30)), [8, 9, 10, 11]]
+    params = {**GOOD, "max_new_tokens": 8}
+    want = {i: engine.generate(input_ids=p, sampling_params=params)["output_ids"]
+            for i, p in enumerate(prompts) if p[0] != POISON}
+    _fail_in_from_reqs(monkeypatch, lambda reqs: any(
+        r.origin_input_ids[0] == POISON and len(r.output_ids) >= 3 for r in reqs))
+    out = engine.generate(input_ids=prompts, sampling_params=params)
+    assert {i: o["output_ids"] for i, o in enumerate(out) if i in want} == want
+    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for i, o in enumerate(out) if i in want)
+    bad = out[1]
+    assert bad["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "internal error" in bad["error"] and "OverflowError: a value no tensor can hold" in bad["error"]
+    assert len(bad["output_ids"]) == 3  # its tokens before the failure were kept
+    assert engine.generate(input_ids=[5, 6, 7], sampling_params=params)["output_ids"] == want[0]
     engine.step()  # idle: the page walk finds nothing leaked or free twice
 
 
