@@ -7,7 +7,6 @@ SchedulerRuntimeChecker's, text is DetokenizerManager's (docs/architecture.md)."
 
 from __future__ import annotations
 
-import logging
 import queue
 import time
 from collections import deque
@@ -19,6 +18,7 @@ from sglite.managers.io_struct import (AbortReq, BatchTokenIDOut, FlushCacheReqI
 from sglite.managers.schedule_batch import FINISH_ABORT, FINISH_MATCHED_STR, Req, ScheduleBatch
 from sglite.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from sglite.managers.scheduler_observer import SchedulerObserver
+from sglite.managers.scheduler_recovery import SchedulerRecovery
 from sglite.managers.scheduler_runtime_checker import KVAccountingError, SchedulerRuntimeChecker
 from sglite.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from sglite.managers.tp_worker_overlap_thread import TpModelWorkerClient
@@ -32,12 +32,9 @@ from sglite.server_args import ServerArgs
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
-# a request of a failed round is on trial (runs alone) until it has this many more tokens
-TRIAL_TOKENS = 2
 
 RecvItem = TokenizedGenerateReqInput | AbortReq | FlushCacheReqInput | GetInternalStateReq
 ControlOutput = FlushCacheReqOutput | GetInternalStateReqOutput
-logger = logging.getLogger("sglite")
 
 
 class Scheduler:
@@ -68,13 +65,11 @@ class Scheduler:
         self.set_schedule_policy(server_args.schedule_policy)
 
         self.waiting_queue: list[Req] = []
-        self.running_batch: ScheduleBatch = self._new_batch([])
+        self.running_batch: ScheduleBatch = self.make_batch([])
         self.last_batch: ScheduleBatch | None = None
         self.cur_batch: ScheduleBatch | None = None
         self.chunked_req: Req | None = None
         self.result_queue: deque[tuple[ScheduleBatch, GenerationBatchResult]] = deque()  # overlap only
-        # requests of a failed round, each run alone until it reaches its output length
-        self.on_trial: list[tuple[Req, int]] = []
 
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * server_args.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = min(self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
@@ -91,8 +86,9 @@ class Scheduler:
         self.send_to_tokenizer: Callable[[ControlOutput], None] = lambda out: None
         self.observer = SchedulerObserver(self, self.event_bus)
         self.runtime_checker = SchedulerRuntimeChecker(self)
+        self.recovery = SchedulerRecovery(self)
 
-    def _new_batch(self, reqs: list[Req], chunked_req: Req | None = None) -> ScheduleBatch:
+    def make_batch(self, reqs: list[Req], chunked_req: Req | None = None) -> ScheduleBatch:
         return ScheduleBatch.init_new(reqs, self.req_to_token_pool, self.token_to_kv_pool_allocator,
                                       self.tree_cache, self.model_config.vocab_size, self.device, chunked_req)
 
@@ -121,15 +117,15 @@ class Scheduler:
 
     def event_loop(self) -> Iterator[None]:
         """The loop ServerArgs chose; each ``next()`` runs one iteration. A round that
-        raises fails its own requests (fail_round), not the loop; broken KV accounting
-        (KVAccountingError) is the engine's own fault and is raised."""
+        raises fails the request that caused it (SchedulerRecovery.fail_round), not the
+        loop; broken KV accounting is the engine's own fault and is raised."""
         while True:
             try:
                 yield from (self.event_loop_overlap() if self.enable_overlap else self.event_loop_normal())
             except (KVAccountingError, KVDoubleFreeError):
                 raise
             except Exception as e:  # noqa: BLE001 - any error of one round
-                self.fail_round(e)
+                self.recovery.fail_round(e)
                 self._end_iteration(None)
                 yield
 
@@ -198,7 +194,7 @@ class Scheduler:
             elif isinstance(item, FlushCacheReqInput):
                 self.send_to_tokenizer(self.flush_cache())
             elif isinstance(item, GetInternalStateReq):
-                self.send_to_tokenizer(GetInternalStateReqOutput(self.get_internal_state()))
+                self.send_to_tokenizer(GetInternalStateReqOutput(self.observer.internal_state()))
             else:
                 self.handle_generate_request(item)
 
@@ -211,17 +207,6 @@ class Scheduler:
         self.req_to_token_pool.clear()
         self.token_to_kv_pool_allocator.clear()
         return FlushCacheReqOutput(True)
-
-    def get_internal_state(self) -> dict:
-        """What /get_server_info reports of the scheduler."""
-        o = self.observer
-        return {"iteration": self.iteration, "num_running_reqs": len(self.running_reqs()),
-                "num_queue_reqs": len(self.waiting_queue), "num_used_tokens": o.num_used_tokens(),
-                "token_usage": o.token_usage(), "max_total_num_tokens": self.max_total_num_tokens,
-                "available_tokens": self.token_to_kv_pool_allocator.available_size(),
-                "evictable_tokens": self.tree_cache.evictable_size(), "cache_hit_rate": o.cache_hit_rate(),
-                "num_retracted_reqs": o.num_retracted_reqs, "new_token_ratio": self.new_token_ratio,
-                "last_gen_throughput": o.last_gen_throughput}
 
     def _validate(self, recv_req: TokenizedGenerateReqInput) -> str | None:
         """The TokenizerManager checked every field; what only the scheduler can see is
@@ -259,10 +244,10 @@ class Scheduler:
     def abort_request(self, abort: AbortReq) -> None:
         for req in self.live_reqs():
             if req.rid == abort.rid:
-                self._abort_now(req, abort.message)
+                self.abort_now(req, abort.message)
                 return
 
-    def _abort_now(self, req: Req, message: str, is_error: bool = False) -> None:
+    def abort_now(self, req: Req, message: str, is_error: bool = False) -> None:
         """Finish a request at once and free everything it holds."""
         req.to_abort, req.to_abort_message = True, message
         req.finished_reason = FINISH_ABORT(message, is_error=is_error)
@@ -285,9 +270,9 @@ class Scheduler:
         now = time.perf_counter()
         for req in self.live_reqs():
             if wt is not None and req.forward_entry_time is None and now - req.wait_queue_entry_time > wt:
-                self._abort_now(req, f"waited longer than waiting_timeout={wt}s")
+                self.abort_now(req, f"waited longer than waiting_timeout={wt}s")
             elif rt is not None and req.forward_entry_time is not None and now - req.forward_entry_time > rt:
-                self._abort_now(req, f"ran longer than running_timeout={rt}s")
+                self.abort_now(req, f"ran longer than running_timeout={rt}s")
 
     # --- 2. get_next_batch_to_run -------------------------------------------------------
 
@@ -360,8 +345,8 @@ class Scheduler:
                                                     "EMPTY_QUEUE" if not self.waiting_queue else "OTHER"), adder)
         if not can_run:
             return None
-        new_batch = self._new_batch(can_run, self.chunked_req)
-        self.cur_batch = new_batch  # if preparing it raises, fail_round finds its requests here
+        new_batch = self.make_batch(can_run, self.chunked_req)
+        self.cur_batch = new_batch  # if preparing it raises, SchedulerRecovery finds its requests here
         new_batch.prepare_for_extend()
         self.observer.on_prefill_batch(can_run, adder, running_bs)
         if mixed:
@@ -369,7 +354,7 @@ class Scheduler:
             if not self.running_batch.is_empty():
                 self.running_batch.prepare_for_decode()
                 new_batch.mix_with_running(self.running_batch)
-                self.running_batch = self._new_batch([])
+                self.running_batch = self.make_batch([])
         return new_batch
 
     def _add_waiting_reqs(self, adder: PrefillAdder, running_bs: int) -> str:
@@ -378,7 +363,7 @@ class Scheduler:
         result = adder.budget_state()
         if result != AddReqResult.CONTINUE:
             return result.name
-        candidates = self._admission_candidates(running_bs)
+        candidates = self.recovery.admission_candidates(running_bs)
         if candidates is None:
             return "FAILED_ROUND_TRIAL"
         for req in candidates:
@@ -392,18 +377,6 @@ class Scheduler:
                     self.running_batch.batch_is_full = True
                 return result.name
         return ""
-
-    def _admission_candidates(self, running_bs: int) -> list[Req] | None:
-        """The waiting requests admission may offer; None: none may run this round.
-        While requests of a failed round are on trial (fail_round), one of them runs at
-        a time, alone: nothing else is admitted until the last one passes."""
-        self.on_trial = [(r, n) for r, n in self.on_trial if not r.finished() and len(r.output_ids) < n]
-        if not self.on_trial:
-            return self.waiting_queue
-        waiting = set(map(id, self.waiting_queue))
-        if running_bs or self.chunked_req is not None:
-            return None
-        return [r for r, _ in self.on_trial if id(r) in waiting][:1] or None
 
     def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch:
         """The decode round: retract requests when the pool cannot hold one more token
@@ -499,50 +472,6 @@ class Scheduler:
             return
         self.new_token_ratio = self.init_new_token_ratio
         self.runtime_checker.self_check_during_idle(full=self.server_args.enable_self_check)
-
-    def fail_round(self, error: Exception) -> None:
-        """A round raised. With one request in it, that request gets the error. With
-        more, any of them may be the culprit and the rest innocent batch-mates: all go
-        back to the waiting queue and re-run one at a time (on trial); whichever fails
-        alone gets the error, the others run on (tests/managers/test_reliability.py)."""
-        logger.error("iteration %d failed", self.iteration, exc_info=error)
-        for _, result in self.result_queue:
-            result.done.wait()  # (overlap) no forward may still write KV slots freed below
-        batches = [b for b in (self.cur_batch, self.last_batch, self.running_batch) if b is not None]
-        batches += [b for b, _ in self.result_queue]
-        self.result_queue.clear()
-        self.req_to_token_pool.mark_forward_done(self.forward_ct)
-        in_round = [r for b in batches for r in b.reqs] + ([self.chunked_req] if self.chunked_req else [])
-        suspects = list({id(r): r for r in in_round if not r.finished()}.values())
-        message = f"internal error in iteration {self.iteration}: " + " ".join(f"{type(error).__name__}: {error}".split())
-        if len(suspects) > 1:
-            self._retract_all_for_trial(suspects, message)
-        elif suspects:
-            suspects[0].future_token_id = None
-            self._abort_now(suspects[0], message[:300], is_error=True)
-        self.running_batch.filter_batch()
-        self.cur_batch = self.last_batch = None
-        self.runtime_checker.reclaim_leaked()
-
-    def _retract_all_for_trial(self, suspects: list[Req], message: str) -> None:
-        """Retract every request that holds KV and empty the cache and pools (the failed
-        round may have left KV half written); the suspects go first in the queue, each
-        on trial until it has TRIAL_TOKENS more tokens."""
-        waiting = set(map(id, self.waiting_queue))
-        held = [r for r in {id(r): r for r in suspects + self.live_reqs()}.values() if id(r) not in waiting]
-        for req in held:
-            req.reset_for_retract()
-            req.req_pool_idx, req.is_chunked = None, 0
-        self.chunked_req = None
-        self.running_batch = self._new_batch([])
-        self.tree_cache.reset()
-        self.req_to_token_pool.clear()
-        self.token_to_kv_pool_allocator.clear()
-        on_trial = set(map(id, suspects))
-        self.waiting_queue = suspects + [r for r in held + self.waiting_queue if id(r) not in on_trial]
-        self.on_trial += [(r, len(r.output_ids) + TRIAL_TOKENS) for r in suspects]
-        self.observer.on_retract(held, self.new_token_ratio, self.new_token_ratio,
-                                 reason=f"{message[:200]}; its requests re-run one at a time")
 
     # --- control ----------------------------------------------------------------------
 

@@ -58,6 +58,17 @@ class SchedulerObserver:
 
     # --- requests ---------------------------------------------------------------------
 
+    def internal_state(self) -> dict:
+        """What /get_server_info and /metrics report of the scheduler."""
+        s = self.scheduler
+        return {"iteration": s.iteration, "num_running_reqs": len(s.running_reqs()),
+                "num_queue_reqs": len(s.waiting_queue), "num_used_tokens": self.num_used_tokens(),
+                "token_usage": self.token_usage(), "max_total_num_tokens": s.max_total_num_tokens,
+                "available_tokens": s.token_to_kv_pool_allocator.available_size(),
+                "evictable_tokens": s.tree_cache.evictable_size(), "cache_hit_rate": self.cache_hit_rate(),
+                "num_retracted_reqs": self.num_retracted_reqs, "new_token_ratio": s.new_token_ratio,
+                "last_gen_throughput": self.last_gen_throughput}
+
     def on_req_arrived(self, req: "Req", temperature: float) -> None:
         p = req.sampling_params
         self.event_bus.emit(ev.ReqArrived, rid=req.rid, prompt_tokens=len(req.origin_input_ids),

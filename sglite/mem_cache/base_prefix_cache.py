@@ -15,7 +15,6 @@ import torch
 if TYPE_CHECKING:
     from sglite.events import EventBus, TreeNodeRow
     from sglite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
-    from sglite.mem_cache.radix_cache import TreeNode
 
 
 class MatchResult(NamedTuple):
@@ -24,7 +23,7 @@ class MatchResult(NamedTuple):
     ``None`` from ``ChunkCache``). A request locks this node while it uses the slots."""
 
     device_indices: torch.Tensor
-    last_device_node: TreeNode | None
+    last_device_node: Any  # RadixCache's TreeNode, or None (typed Any as in SGLang: no import of radix_cache)
 
 
 class CachedReq(Protocol):
@@ -89,10 +88,10 @@ class BasePrefixCache(ABC):
     def evict(self, num_tokens: int) -> None: ...
 
     @abstractmethod
-    def inc_lock_ref(self, node: TreeNode | None) -> int: ...
+    def inc_lock_ref(self, node: Any) -> int: ...
 
     @abstractmethod
-    def dec_lock_ref(self, node: TreeNode | None) -> int: ...
+    def dec_lock_ref(self, node: Any) -> int: ...
 
     def evictable_size(self) -> int:
         return 0

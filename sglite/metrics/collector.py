@@ -50,7 +50,7 @@ class SchedulerMetricsCollector:
         if not force and now - self._last < METRICS_INTERVAL:
             return
         self._last = now
-        state = scheduler.get_internal_state()
+        state = scheduler.observer.internal_state()
         state["gen_throughput"] = state.pop("last_gen_throughput")
         for name, gauge in self.gauges.items():
             gauge.labels(**self.labels).set(state[name])

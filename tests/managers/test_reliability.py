@@ -283,11 +283,13 @@ def test_a_request_that_breaks_its_rounds_fails_alone(overlap, extra, monkeypatc
     ("{{ 1 // 0 }}", "the chat template failed: ZeroDivisionError"),
     ("{% for m in messages %}{{ m.content | nosuchfilter }}{% endfor %}", "the chat template failed"),
 ])
-def test_a_chat_template_that_raises_fails_only_its_request(template, message):
+def test_a_chat_template_that_raises_fails_only_its_request(template, message, monkeypatch):
     """The template is code from the model's files: whatever it raises is that request's
     error; the engine and the other requests run on."""
     engine = Engine("tiny-random", log_level="error")
-    engine.tokenizer.chat_template, engine.tokenizer._template = template, None
+    # monkeypatch: the loaded tokenizer is shared by every Engine of this process
+    monkeypatch.setattr(engine.tokenizer, "chat_template", template)
+    monkeypatch.setattr(engine.tokenizer, "_template", None)
     out = engine.generate(messages=[[{"role": "user", "content": "hi"}]], sampling_params={"max_new_tokens": 2})
     assert message in out[0]["error"] and out[0]["meta_info"]["finish_reason"]["type"] == "abort"
     ok = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})

@@ -131,7 +131,7 @@ def test_the_graph_leaves_the_gil_while_it_runs():
         r.req_to_token_pool.write(s, 199, loc[j : j + 1])
     fb = ForwardBatch.init_new(hand_batch(ForwardMode.DECODE, [3] * len(seqs), seqs, [200] * len(seqs), loc), r)
     assert r.cpu_graph_runner.can_run(fb)
-    started, done, spins = threading.Event(), threading.Event(), []
+    started, done = threading.Event(), threading.Event()
 
     def forward() -> None:
         started.set()
