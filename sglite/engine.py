@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from sglite.events import EventBus
+from sglite.explain import LIFECYCLE, RequestHistory, explain
 from sglite.managers.detokenizer_manager import DetokenizerManager
 from sglite.managers.io_struct import AbortReq, BatchStrOut, BatchTokenIDOut
 from sglite.managers.scheduler import Scheduler
@@ -61,6 +62,9 @@ class Engine:
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         _setup_logging(self.server_args.log_level)
         self.event_bus = event_bus or EventBus()
+        # every request's arrival, holds, admission, retractions and finish, for explain()
+        self.history = RequestHistory()
+        self.event_bus.subscribe(self.history, kinds=LIFECYCLE)
         self.scheduler = Scheduler(self.server_args, event_bus=self.event_bus)
         self.tokenizer = self.scheduler.tokenizer
         s = self.scheduler
@@ -133,6 +137,14 @@ class Engine:
 
     def is_finished(self, rid: str) -> bool:
         return self._results[rid].finished
+
+    def explain(self, rid: str) -> str:
+        """Request ``rid``'s history in words and numbers: which budget held it in the
+        waiting_queue and for how many rounds, its cache hit, chunks, retractions, finish
+        (docs/why.md). Raises KeyError for a rid this engine has not seen (or forgot:
+        it keeps the last 10,000)."""
+        with self._lock:
+            return explain(self.history.events(rid), rid)
 
     # --- generate ---------------------------------------------------------------------
 

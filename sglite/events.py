@@ -72,20 +72,25 @@ class EventBus:
     def __init__(self) -> None:
         self._subscribers: list[Subscriber] = []
         self._snapshot_subscribers: list[Subscriber] = []
-        self.active = False
+        self._by_kind: dict[type[Event], list[Subscriber]] = {}  # subscribers of some kinds only
+        self.active = False  # someone takes every event: build even the costly ones
         self.wants_snapshots = False  # build a SchedulerSnapshot each iteration
         self.iteration = 0
 
-    def subscribe(self, fn: Subscriber, snapshots: bool = False) -> Callable[[], None]:
+    def subscribe(self, fn: Subscriber, snapshots: bool = False,
+                  kinds: tuple[type[Event], ...] | None = None) -> Callable[[], None]:
         """``snapshots``: this subscriber shows state (the TUI, a recording to replay),
-        so the scheduler also emits a SchedulerSnapshot after every iteration."""
-        self._subscribers.append(fn)
+        so the scheduler also emits a SchedulerSnapshot after every iteration.
+        ``kinds``: only these event classes (the bus stays inactive for the rest)."""
+        for group in ([self._subscribers] if kinds is None else
+                      [self._by_kind.setdefault(k, []) for k in kinds]):
+            group.append(fn)
         if snapshots:
             self._snapshot_subscribers.append(fn)
         self._update()
 
         def unsubscribe() -> None:
-            for group in (self._subscribers, self._snapshot_subscribers):
+            for group in (self._subscribers, self._snapshot_subscribers, *self._by_kind.values()):
                 if fn in group:
                     group.remove(fn)
             self._update()
@@ -98,14 +103,14 @@ class EventBus:
 
     def emit(self, event_cls: type["Event"], **fields: Any) -> None:
         """``iteration`` defaults to the current one; ``ts`` to now."""
-        if not self.active:
+        if not self.active and not self._by_kind.get(event_cls):
             return
         fields.setdefault("iteration", self.iteration)
         self.publish(event_cls(**fields))
 
     def publish(self, event: "Event") -> None:
-        """Hand a built event to every subscriber."""
-        for fn in tuple(self._subscribers):
+        """Hand a built event to every subscriber that takes its kind."""
+        for fn in tuple(self._subscribers) + tuple(self._by_kind.get(type(event), ())):
             fn(event)
 
 
@@ -156,6 +161,19 @@ class ReqAdmitted(Event):
     prefix_len: int = 0
     extend_len: int = 0
     chunked: bool = False
+
+
+@dataclass(frozen=True)
+class ReqHeld(Event):
+    """Admission left a waiting request in the queue, and why (PrefillAdder's budgets,
+    docs/why.md): emitted when the reason changes, not every round it holds."""
+
+    rid: str = ""
+    budget: str = ""  # rem_total_tokens, rem_input_tokens, rem_chunk_tokens, max_running_requests,
+    #                   in_batch_prefix, not_reached, failed_round_trial
+    need: int = 0
+    have: int = 0
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -272,6 +290,7 @@ class WaitingRow(NamedTuple):
     rid: str
     prompt_tokens: int
     prefix_len: int  # cached prefix matched at the last admission attempt
+    held: str = ""  # the budget that held it at the last admission round (ReqHeld.budget)
 
 
 class RunningRow(NamedTuple):

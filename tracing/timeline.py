@@ -78,7 +78,7 @@ class TimelineBuilder:
         self._handlers: dict[type, Callable[[Any], None]] = {
             ev.ReqArrived: self._arrived, ev.ReqAdmitted: self._admitted, ev.ReqChunked: self._chunked,
             ev.TokensEmitted: self._tokens, ev.ReqRetracted: self._retracted, ev.ReqFinished: self._finished,
-            ev.ReqAborted: self._aborted, ev.CacheMatched: self._cache_matched,
+            ev.ReqAborted: self._aborted, ev.CacheMatched: self._cache_matched, ev.ReqHeld: self._held,
             ev.IterationFinished: self._iteration_finished,
         }
 
@@ -138,6 +138,14 @@ class TimelineBuilder:
             name, st.chunks = f"prefill.chunk[{st.chunks}]", st.chunks + 1
         st.prefills.append(self._open(Node(name, e.ts, "stage", st.root.track, st.root, attributes={
             "sglite.prefix_len": e.prefix_len, "sglite.extend_len": e.extend_len})))
+
+    def _held(self, e: ev.ReqHeld) -> None:
+        """Why admission left it waiting: a span event on its waiting span, each time the
+        budget that holds it changes (docs/why.md)."""
+        st = self.reqs.get(e.rid)
+        if st is not None:
+            (st.stage or st.root).events.append(("held", e.ts, {
+                "sglite.budget": e.budget, "sglite.need": e.need, "sglite.have": e.have, "sglite.detail": e.detail}))
 
     def _cache_matched(self, e: ev.CacheMatched) -> None:
         st = self.reqs.get(e.rid)

@@ -188,7 +188,7 @@ class SchedulerApp(App):
         yield TitleBar(id="titlebar")
         with Grid():
             # short headers so the columns fit at 80x24 (the border titles name the panels)
-            yield RowTable(("rid", "len", "cached", "wait"), id="waiting")
+            yield RowTable(("rid", "len", "cached", "wait", "why"), id="waiting")
             yield RowTable(("rid", "seq", "out/max"), id="running")
             yield RowTable(("rid", "pre", "ext", "seq", "loc"), id="plan")
             with Vertical(id="poolbox"):

@@ -33,6 +33,11 @@ PANELS = [
     ("  len", "prompt tokens", "len(Req.origin_input_ids)"),
     ("  cached", "prompt tokens found in the radix cache at the last admission try", "len(Req.prefix_indices)"),
     ("  wait", "iterations since it arrived (or was retracted)", ""),
+    ("  why", "the budget that left it waiting at the last admission round: pool (KV pool), prefill "
+              "(max_prefill_tokens), chunk (chunked_prefill_size), max run (max_running_requests), order (an "
+              "earlier request stopped admission), prefix (a request sharing its prefix goes first); the "
+              "request's detail has the numbers (docs/why.md)",
+     "PrefillAdder rem_total_tokens / rem_input_tokens / rem_chunk_tokens, max_running_requests; ReqHeld"),
     ("running_batch", "requests admitted and decoding (a chunked request shows here too)", "Scheduler.running_batch"),
     ("  seq", "tokens in the sequence: prompt + output; counts the token sampled this round, "
               "which is not in the KV cache yet", "Req.seqlen"),

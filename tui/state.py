@@ -21,6 +21,10 @@ LOG_KEEP = 200
 ADMISSION_WORDS = {"EMPTY_QUEUE": "queue empty", "NO_TOKEN": "KV pool full", "OTHER": "prefill budget spent",
                    "MAX_RUNNING_REQUESTS": "max running reqs", "IN_BATCH_PREFIX_WAIT": "waits on a shared prefix",
                    "FAILED_ROUND_TRIAL": "a failed round's requests re-run one at a time"}
+# the budget that held a waiting request (ReqHeld.budget), as the waiting_queue shows it
+HELD_WORDS = {"rem_total_tokens": "pool", "rem_input_tokens": "prefill", "rem_chunk_tokens": "chunk",
+              "max_running_requests": "max run", "in_batch_prefix": "prefix", "not_reached": "order",
+              "failed_round_trial": "trial"}
 RID_WIDTH = 16  # longer rids (a server's are uuids) show as their head and tail
 THROUGHPUT_WINDOW = 2.0  # seconds of output tokens the tok/s figure averages over
 
@@ -47,6 +51,7 @@ class ReqInfo:
     timeline: list[tuple[int, str]] = field(default_factory=list)
     retracted: list[int] = field(default_factory=list)  # iterations it was retracted in
     chunks: list[tuple[int, int, int]] = field(default_factory=list)  # (iteration, computed, total)
+    holds: list[tuple[int, ev.ReqHeld]] = field(default_factory=list)  # (iteration, why it was left waiting)
     ended: tuple[int, str] | None = None  # (iteration, "finished: length" / "aborted: why")
 
     def text_at(self, iteration: int) -> str:
@@ -54,6 +59,14 @@ class ReqInfo:
 
     def tokens_at(self, iteration: int) -> int:
         return next((n for it, n in reversed(self.output_tokens) if it <= iteration), 0)
+
+    def hold_at(self, iteration: int) -> str:
+        """Why admission last left it waiting, as of ``iteration`` ('' if it never did)."""
+        h = next((h for it, h in reversed(self.holds) if it <= iteration), None)
+        if h is None:
+            return ""
+        numbers = f": needs {h.need}, has {h.have}" if h.need else ""
+        return f"\nheld by {h.budget} since iter {h.iteration}{numbers} ({h.detail})"
 
     def timeline_at(self, iteration: int) -> list[tuple[int, str]]:
         return [(it, what) for it, what in self.timeline if it <= iteration]
@@ -79,7 +92,7 @@ class ReqInfo:
             return f"running (running_batch), {out}{again}"
         if any(w[0] == rid for w in view.waiting):
             why = "retracted: back in waiting_queue, output kept, KV recomputed" if retracts else "waiting (waiting_queue)"
-            return f"{why}, {out}{again}"
+            return f"{why}, {out}{again}{self.hold_at(it)}"
         return f"between queues, {out}{again}"
 
 
@@ -90,7 +103,7 @@ class View:
     bid: int = 0  # that batch's id (0: none)
     processed_bid: int = 0  # the batch whose results this iteration processed
     overlap: bool = False
-    waiting: list[tuple] = field(default_factory=list)  # rid, prompt tokens, cached prefix, iterations waited
+    waiting: list[tuple] = field(default_factory=list)  # rid, prompt tokens, cached prefix, iterations waited, held by
     running: list[tuple] = field(default_factory=list)  # rid, seq_len, "out/max"
     plan: list[tuple] = field(default_factory=list)  # rid, prefix_len, extend_len, seq_len, loc range
     plan_rows: int = 0
@@ -158,8 +171,8 @@ class ViewBuilder:
 
     def apply(self, e: ev.Event) -> View | None:
         it = e.iteration
-        if isinstance(e, (ev.ReqArrived, ev.ReqAdmitted, ev.ReqChunked, ev.ReqRetracted, ev.ReqFinished,
-                          ev.ReqAborted, ev.TokensEmitted)):
+        if isinstance(e, (ev.ReqArrived, ev.ReqHeld, ev.ReqAdmitted, ev.ReqChunked, ev.ReqRetracted,
+                          ev.ReqFinished, ev.ReqAborted, ev.TokensEmitted)):
             self._apply_req(e, self._req(e.rid))
         elif isinstance(e, ev.CacheEvicted):
             self.add_log(it, f"[yellow]evict[/] {e.num_tokens} tok, {e.num_nodes} nodes")
@@ -187,6 +200,9 @@ class ViewBuilder:
             r.timeline.append((it, f"arrived, {e.prompt_tokens} prompt tokens"
                                    + (", ignore_eos (decodes all max_new_tokens)" if e.ignore_eos else "")))
             self.queued_at[e.rid] = it
+        elif isinstance(e, ev.ReqHeld):
+            r.holds.append((it, e))
+            r.timeline.append((it, f"held by {HELD_WORDS.get(e.budget, e.budget)} ({e.budget})"))
         elif isinstance(e, ev.ReqAdmitted):
             what = f"admitted: prefix {e.prefix_len} cached, +{e.extend_len} computed" + (" (chunk)" if e.chunked else "")
             r.timeline.append((it, what))
@@ -255,7 +271,8 @@ class ViewBuilder:
             has_snapshots=s is not None,
         )
         if s is not None:
-            view.waiting = [(w.rid, w.prompt_tokens, w.prefix_len, it - self.queued_at.get(w.rid, it)) for w in s.waiting]
+            view.waiting = [(w.rid, w.prompt_tokens, w.prefix_len, it - self.queued_at.get(w.rid, it),
+                             HELD_WORDS.get(w.held, w.held)) for w in s.waiting]
             view.running = [(r.rid, r.seq_len, f"{r.output_tokens}/{r.max_new_tokens}") for r in s.running]
             view.chunked_rid, view.overlap, view.policy = s.chunked_rid, s.overlap, s.policy
             view.pool_total, view.pool_free, view.pool_evictable = s.pool_total, s.pool_free, s.pool_evictable

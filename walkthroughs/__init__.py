@@ -11,6 +11,7 @@ from walkthroughs.core import Narrator, Walkthrough, WalkthroughFailed
 # the lessons, which load torch)
 MODULES = {"event-loop": "event_loop", "two-requests": "two_requests", "chunked-prefill": "chunked_prefill",
            "retract": "retract", "mixed": "mixed", "radix-cache": "radix_cache", "growing-queue": "growing_queue",
+           "why-waiting": "why_waiting",
            "tracing": "tracing_walk", "overlap": "overlap"}
 
 

@@ -21,6 +21,7 @@ from sglite.sampling.sampling_batch_info import SamplingBatchInfo
 from sglite.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from sglite.managers.schedule_policy import Hold
     from sglite.mem_cache.base_prefix_cache import BasePrefixCache
     from sglite.model_loader.tokenizer import Tokenizer
     from sglite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
@@ -122,6 +123,7 @@ class Req:
         self.chunk_index = 0
         self.is_retracted = False
         self.retraction_count = 0
+        self.hold: Hold | None = None  # why admission left it waiting, last round (holds_of_round)
         self.cached_tokens = 0
         self.already_computed = 0
 

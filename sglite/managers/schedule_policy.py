@@ -7,7 +7,7 @@ import random
 from collections import defaultdict
 from contextlib import contextmanager
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, NamedTuple
 
 import torch
 
@@ -125,6 +125,18 @@ class AddReqResult(Enum):
     OTHER = auto()  # another budget (prefill tokens, chunk) is spent
 
 
+class Hold(NamedTuple):
+    """Why admission left a waiting request in the queue this round: the budget that
+    stopped it, what the request needed of it and what was left (tokens; requests for
+    max_running_requests). docs/why.md lists every budget."""
+
+    budget: str  # rem_total_tokens, rem_input_tokens, rem_chunk_tokens, max_running_requests,
+    #              in_batch_prefix, not_reached, failed_round_trial
+    need: int = 0
+    have: int = 0
+    detail: str = ""  # the numbers behind need and have, in words
+
+
 class PrefillAdder:
     """Admits waiting requests into one prefill batch under three budgets:
     rem_total_tokens (KV pool minus what running requests will still need),
@@ -154,6 +166,7 @@ class PrefillAdder:
         self.deprioritized = deprioritized or set()
         self.can_run_list: list["Req"] = []
         self.new_chunked_req: "Req | None" = None
+        self.hold: Hold | None = None  # why the last request offered was not admitted
         self.log_hit_tokens = 0
         self.log_input_tokens = 0
         if running_batch is not None:
@@ -223,12 +236,14 @@ class PrefillAdder:
         input_tokens = self.ceil_paged_tokens(req.extend_input_len)
         prefix_len = len(req.prefix_indices)
         if total_tokens >= self.rem_total_tokens:
-            return AddReqResult.NO_TOKEN
+            return self._held_by_pool(req, future_tokens)
         if input_tokens > self.rem_input_tokens and self.can_run_list:
+            self.hold = Hold("rem_input_tokens", input_tokens, self.rem_input_tokens,
+                             f"{input_tokens} tokens to prefill > {self.rem_input_tokens} left of max_prefill_tokens")
             return AddReqResult.OTHER
         with self._lock_node(req.last_node):
             if total_tokens >= self.rem_total_tokens:
-                return AddReqResult.NO_TOKEN
+                return self._held_by_pool(req, future_tokens)
             if self.rem_chunk_tokens is None or input_tokens <= self.rem_chunk_tokens:
                 self.can_run_list.append(req)
                 self.tree_cache.inc_lock_ref(req.last_node)
@@ -236,6 +251,8 @@ class PrefillAdder:
             else:
                 trunc_len = page_align_down(self.rem_chunk_tokens, self.page_size)
                 if trunc_len <= 0:
+                    self.hold = Hold("rem_chunk_tokens", self.page_size, self.rem_chunk_tokens,
+                                     f"{self.rem_chunk_tokens} left of chunked_prefill_size, less than a page")
                     return AddReqResult.OTHER
                 req.extend_input_len = trunc_len
                 req.fill_ids = req.fill_ids[: prefix_len + trunc_len]
@@ -244,3 +261,64 @@ class PrefillAdder:
                 self.tree_cache.inc_lock_ref(req.last_node)
                 self._update_prefill_budget(prefix_len, trunc_len, 0)
         return self.budget_state()
+
+    def _held_by_pool(self, req: "Req", future_tokens: int) -> AddReqResult:
+        """NO_TOKEN: the KV pool, less what running requests may still need, cannot
+        take this request's prompt plus its reserve of new tokens."""
+        pool = self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
+        need, have = req.extend_input_len + future_tokens, int(self.rem_total_tokens)
+        self.hold = Hold("rem_total_tokens", need, have, (
+            f"needs {req.extend_input_len} tokens to prefill + {future_tokens} reserved new tokens = {need}; "
+            f"pool free+evictable {pool} - running requests' reserve and this round's admissions "
+            f"{int(self.rem_total_token_offset)} (new_token_ratio {self.new_token_ratio:.3f}) = {have}"))
+        return AddReqResult.NO_TOKEN
+
+
+def holds_of_round(waiting: list["Req"], stop: str, stopped_at: "Req | None", adder: "PrefillAdder | None",
+                   running: int, max_running: int) -> list[tuple["Req", Hold]]:
+    """Why each request still waiting after an admission round was not admitted.
+    ``stop``: why admission stopped (AddReqResult name, MAX_RUNNING_REQUESTS, ...);
+    ``stopped_at``: the request it stopped at: refused by the adder (NO_TOKEN, OTHER) or
+    the first one not offered (MAX_RUNNING_REQUESTS); None when it stopped before
+    offering any, or after admitting the last one it offered."""
+    admitted = len(adder.can_run_list) if adder else 0
+    refused = stopped_at is not None and stop in ("NO_TOKEN", "OTHER")
+    if stop == "MAX_RUNNING_REQUESTS":
+        first = Hold("max_running_requests", running + admitted + 1, max_running,
+                     f"{running} running + {admitted} admitted this round = max_running_requests {max_running}")
+    elif stop == "FAILED_ROUND_TRIAL":
+        first = Hold("failed_round_trial", detail="a failed round's requests re-run one at a time, alone")
+    elif refused and adder is not None and adder.hold is not None:
+        first = adder.hold
+    elif adder is not None and stop in ("NO_TOKEN", "OTHER"):
+        first = _spent_budget(adder)
+    else:
+        return _passed_over(waiting, adder)  # the queue ran out: only in-batch-prefix waits
+    past_stop = stopped_at is None  # stopped before offering any: every request held by `first`
+    holds: list[tuple["Req", Hold]] = []
+    for req in waiting:
+        if req is stopped_at:
+            past_stop = True
+            holds.append((req, first))
+        elif past_stop:
+            holds.append((req, Hold("not_reached", detail=f"admission stopped at {stopped_at.rid} ({first.budget})")
+                          if refused and stopped_at is not None else first))
+        elif adder is not None and req.rid in adder.deprioritized:
+            holds += _passed_over([req], adder)
+    return holds
+
+
+def _passed_over(waiting: list["Req"], adder: "PrefillAdder | None") -> list[tuple["Req", Hold]]:
+    return [(r, Hold("in_batch_prefix", detail="shares a prefix with a request admitted this round: "
+                     "waits one round to hit its cache")) for r in waiting if adder and r.rid in adder.deprioritized]
+
+
+def _spent_budget(adder: "PrefillAdder") -> Hold:
+    """A budget ran out before this request was offered: spent by the requests admitted
+    before it (the chunked request's next chunk, the decode rows of a mixed batch)."""
+    by = ", ".join(r.rid for r in adder.can_run_list) or "the running requests"
+    if adder.rem_total_tokens <= 0 or adder.cur_rem_tokens <= 0:
+        return Hold("rem_total_tokens", 0, int(adder.rem_total_tokens), f"the KV pool is spent this round (by {by})")
+    if adder.rem_chunk_tokens is not None and adder.rem_chunk_tokens <= 0:
+        return Hold("rem_chunk_tokens", 0, adder.rem_chunk_tokens, f"the chunk budget is spent this round (by {by})")
+    return Hold("rem_input_tokens", 0, adder.rem_input_tokens, f"max_prefill_tokens is spent this round (by {by})")

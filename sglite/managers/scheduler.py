@@ -16,7 +16,7 @@ from sglite import events as ev
 from sglite.managers.io_struct import (AbortReq, BatchTokenIDOut, FlushCacheReqInput, FlushCacheReqOutput,
                                       GetInternalStateReq, GetInternalStateReqOutput, TokenizedGenerateReqInput)
 from sglite.managers.schedule_batch import FINISH_ABORT, FINISH_MATCHED_STR, Req, ScheduleBatch
-from sglite.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
+from sglite.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy, holds_of_round
 from sglite.managers.scheduler_observer import SchedulerObserver
 from sglite.managers.scheduler_recovery import SchedulerRecovery
 from sglite.managers.scheduler_runtime_checker import KVAccountingError, SchedulerRuntimeChecker
@@ -319,6 +319,8 @@ class Scheduler:
         if running_bs >= self.max_running_requests:
             self.running_batch.batch_is_full = True
             self.observer.on_admission_stopped("MAX_RUNNING_REQUESTS")
+            self.observer.on_reqs_held(holds_of_round(self.waiting_queue, "MAX_RUNNING_REQUESTS", None, None,
+                                                      running_bs, self.max_running_requests))
             return None
 
         self.policy.calc_priority(self.waiting_queue)
@@ -331,7 +333,7 @@ class Scheduler:
         if self.chunked_req is not None:
             self.chunked_req.init_next_round_input()
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
-        stop = self._add_waiting_reqs(adder, running_bs)
+        stop, stopped_at = self._add_waiting_reqs(adder, running_bs)
         if adder.new_chunked_req is not None:
             self.chunked_req = adder.new_chunked_req
         if self.chunked_req is not None:
@@ -340,6 +342,8 @@ class Scheduler:
         can_run = adder.can_run_list
         admitted = set(map(id, can_run))
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        self.observer.on_reqs_held(holds_of_round(self.waiting_queue, stop, stopped_at, adder, running_bs,
+                                                  self.max_running_requests))
         deferred = any(r.rid in self.policy.temporary_deprioritized for r in self.waiting_queue)
         self.observer.on_admission_stopped(stop or ("IN_BATCH_PREFIX_WAIT" if deferred else
                                                     "EMPTY_QUEUE" if not self.waiting_queue else "OTHER"), adder)
@@ -357,26 +361,28 @@ class Scheduler:
                 self.running_batch = self.make_batch([])
         return new_batch
 
-    def _add_waiting_reqs(self, adder: PrefillAdder, running_bs: int) -> str:
-        """Offer the waiting requests in queue order until a budget runs out; returns
-        why admission stopped ('' when the queue ran out first)."""
+    def _add_waiting_reqs(self, adder: PrefillAdder, running_bs: int) -> tuple[str, Req | None]:
+        """Offer the waiting requests in queue order until a budget runs out. Returns
+        why admission stopped ('' when the queue ran out first) and the request it
+        stopped at (refused, or the first not offered), for holds_of_round."""
         result = adder.budget_state()
         if result != AddReqResult.CONTINUE:
-            return result.name
+            return result.name, None
         candidates = self.recovery.admission_candidates(running_bs)
         if candidates is None:
-            return "FAILED_ROUND_TRIAL"
+            return "FAILED_ROUND_TRIAL", None
         for req in candidates:
             if running_bs + len(adder.can_run_list) >= self.max_running_requests:
                 self.running_batch.batch_is_full = True
-                return "MAX_RUNNING_REQUESTS"
+                return "MAX_RUNNING_REQUESTS", req
             req.init_next_round_input(self.tree_cache)
             result = adder.add_one_req(req)
             if result != AddReqResult.CONTINUE:
                 if result == AddReqResult.NO_TOKEN:
                     self.running_batch.batch_is_full = True
-                return result.name
-        return ""
+                admitted = bool(adder.can_run_list) and adder.can_run_list[-1] is req
+                return result.name, (None if admitted else req)
+        return "", None
 
     def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch:
         """The decode round: retract requests when the pool cannot hold one more token

@@ -15,7 +15,7 @@ from sglite.sampling.sampling_params import TOP_K_ALL
 
 if TYPE_CHECKING:
     from sglite.managers.schedule_batch import ModelWorkerBatch, Req, ScheduleBatch
-    from sglite.managers.schedule_policy import PrefillAdder
+    from sglite.managers.schedule_policy import Hold, PrefillAdder
     from sglite.managers.scheduler import Scheduler
     from sglite.managers.tp_worker import GenerationBatchResult
 
@@ -97,12 +97,23 @@ class SchedulerObserver:
                                 rem_total_tokens=int(adder.rem_total_tokens) if adder else 0,
                                 rem_input_tokens=int(adder.rem_input_tokens) if adder else 0)
 
+    def on_reqs_held(self, holds: list[tuple["Req", "Hold"]]) -> None:
+        """Each waiting request's hold this round; a ReqHeld when its budget changed."""
+        for req, hold in holds:
+            old = req.hold
+            # numbers change every round; the budget (or, not reached, the stopper) is news
+            if old is None or old.budget != hold.budget or (hold.budget == "not_reached" and old.detail != hold.detail):
+                self.event_bus.emit(ev.ReqHeld, rid=req.rid, budget=hold.budget, need=hold.need,
+                                    have=hold.have, detail=hold.detail)
+            req.hold = hold
+
     def on_prefill_batch(self, can_run: list["Req"], adder: "PrefillAdder", running_bs: int) -> None:
         """The admitted requests' events, the hit statistics, SGLang's Prefill batch. line."""
         self.total_hit_tokens += adder.log_hit_tokens
         self.total_input_tokens += adder.log_input_tokens
         chunked = self.scheduler.chunked_req
         for req in can_run:
+            req.hold = None  # admitted: a later hold (after a retraction) is news again
             if req.last_node is not None:
                 self.last_matched_node_id = req.last_node.id
             self.event_bus.emit(ev.CacheMatched, rid=req.rid, matched_len=len(req.prefix_indices),
@@ -226,7 +237,8 @@ class SchedulerObserver:
         the last one). ``full_tree=False`` leaves the tree out when it has not changed
         since the previous such snapshot (the per-iteration stream does that)."""
         s = self.scheduler
-        waiting = tuple(ev.WaitingRow(r.rid, len(r.origin_input_ids), len(r.prefix_indices)) for r in s.waiting_queue)
+        waiting = tuple(ev.WaitingRow(r.rid, len(r.origin_input_ids), len(r.prefix_indices),
+                                     r.hold.budget if r.hold else "") for r in s.waiting_queue)
         running = tuple(ev.RunningRow(r.rid, r.seqlen, len(r.output_ids), r.sampling_params.max_new_tokens)
                         for r in s.running_reqs())
         tree: tuple[ev.TreeNodeRow, ...] | None = tuple(s.tree_cache.snapshot())

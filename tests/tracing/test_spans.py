@@ -95,6 +95,19 @@ def test_retracted_request_has_retract_event_and_second_waiting():
     assert any(s.attributes.get("sglite.after_retract") for s in second_wait)
 
 
+def test_a_held_request_has_held_events_on_its_waiting_span():
+    engine, mem, tr = traced(max_total_tokens=400, disable_overlap_schedule=True)
+    engine.generate(input_ids=[[7] * 50, [8] * 50, [9] * 50], sampling_params={"max_new_tokens": 100, **GREEDY})
+    tr.shutdown()
+    spans = mem.get_finished_spans()
+    (root,) = by_name(spans, "req r2")
+    waiting = min((s for s in children(spans, root) if s.name == "waiting"), key=lambda s: s.start_time)
+    (held,) = [e for e in waiting.events if e.name == "held"]
+    assert dict(held.attributes) == {"sglite.budget": "rem_total_tokens", "sglite.need": 150, "sglite.have": 100,
+                                     "sglite.detail": held.attributes["sglite.detail"]}
+    assert held.attributes["sglite.detail"].startswith("needs 50 tokens to prefill + 100 reserved new tokens = 150")
+
+
 def test_chunked_request_has_one_span_per_chunk():
     engine, mem, tr = traced(level=1, chunked_prefill_size=16)
     engine.generate(input_ids=list(range(3, 53)), sampling_params={"max_new_tokens": 2, **GREEDY}, rid="long")

@@ -1,0 +1,94 @@
+"""A request's history in words and numbers, read from the event stream: when it
+arrived, which budget held it in the waiting_queue and for how many rounds, when it was
+admitted (cache hit, chunking), retracted and finished. ``Engine.explain(rid)`` reads
+the events its RequestHistory kept; ``explain`` also reads a recording (``--record``).
+docs/why.md lists every budget a request can wait on."""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+
+from sglite import events as ev
+
+# the events that make up one request's history
+LIFECYCLE: tuple[type[ev.Event], ...] = (ev.ReqArrived, ev.ReqHeld, ev.ReqAdmitted, ev.ReqChunked,
+                                         ev.ReqRetracted, ev.ReqAborted, ev.ReqFinished)
+BUDGET_WORDS = {
+    "rem_total_tokens": "the KV pool (rem_total_tokens)",
+    "rem_input_tokens": "the prefill token budget (max_prefill_tokens, rem_input_tokens)",
+    "rem_chunk_tokens": "the chunk budget (chunked_prefill_size, rem_chunk_tokens)",
+    "max_running_requests": "max_running_requests",
+    "in_batch_prefix": "in-batch prefix caching (a request sharing its prefix goes first)",
+    "not_reached": "an earlier request in the queue (admission stopped before reaching it)",
+    "failed_round_trial": "a failed round's requests re-running one at a time",
+}
+
+
+class RequestHistory:
+    """Subscriber (kinds=LIFECYCLE) keeping the lifecycle events of the last ``keep``
+    requests; the oldest request's history goes first."""
+
+    def __init__(self, keep: int = 10_000):
+        self.keep = keep
+        self._by_rid: OrderedDict[str, list[ev.Event]] = OrderedDict()
+
+    def __call__(self, event: ev.Event) -> None:
+        rid = getattr(event, "rid", "")
+        if isinstance(event, ev.ReqArrived):
+            self._by_rid.pop(rid, None)  # a reused rid: a new request, a new history
+        if rid not in self._by_rid:
+            if len(self._by_rid) >= self.keep:
+                self._by_rid.popitem(last=False)
+            self._by_rid[rid] = []
+        self._by_rid[rid].append(event)
+
+    def events(self, rid: str) -> list[ev.Event]:
+        return list(self._by_rid.get(rid, ()))
+
+
+def explain(events: list[ev.Event], rid: str) -> str:
+    """The history of request ``rid`` from ``events`` (any stream; other requests' and
+    other kinds are skipped). Raises KeyError when the stream never saw it arrive."""
+    mine = [e for e in events if isinstance(e, LIFECYCLE) and getattr(e, "rid", None) == rid]
+    if not mine:
+        raise KeyError(f"no request {rid!r} in this history (an unknown rid, or one older than the history)")
+    lines: list[str] = []
+    held_rounds: Counter[str] = Counter()
+    admitted = False  # a ReqAdmitted while admitted is the next chunk of its prompt
+    for i, e in enumerate(mine):
+        until = mine[i + 1].iteration if i + 1 < len(mine) else None
+        if isinstance(e, ev.ReqAdmitted) and admitted:
+            lines.append(f"iteration {e.iteration}: next chunk, {e.prefix_len} tokens computed + {e.extend_len} to prefill")
+        else:
+            lines.append(_describe(e, until, held_rounds))
+        admitted = isinstance(e, (ev.ReqAdmitted, ev.ReqChunked)) or (admitted and not isinstance(e, ev.ReqRetracted))
+    if held_rounds:
+        parts = ", ".join(f"{b} {n}" for b, n in held_rounds.most_common())
+        lines.append(f"held {sum(held_rounds.values())} rounds in all, by budget: {parts}")
+    return f"{rid}\n" + "\n".join("  " + ln for ln in lines)
+
+
+def _describe(e: ev.Event, until: int | None, held_rounds: Counter[str]) -> str:
+    """One line for one event; ``until``: the iteration of the request's next event."""
+    at = f"iteration {e.iteration}"
+    if isinstance(e, ev.ReqArrived):
+        return f"{at}: arrived, {e.prompt_tokens} prompt tokens, max_new_tokens {e.max_new_tokens}"
+    if isinstance(e, ev.ReqHeld):
+        rounds = (until - e.iteration) if until is not None else 1
+        held_rounds[e.budget] += rounds
+        span = at if rounds <= 1 else f"iterations {e.iteration}-{e.iteration + rounds - 1} ({rounds} rounds)"
+        numbers = f": needs {e.need}, has {e.have}" if e.need else ""
+        return f"{span}: held by {BUDGET_WORDS.get(e.budget, e.budget)}{numbers}; {e.detail}"
+    if isinstance(e, ev.ReqAdmitted):
+        chunked = ", the first chunk of its prompt" if e.chunked else ""
+        return f"{at}: admitted, {e.prefix_len} tokens from the cache + {e.extend_len} to prefill{chunked}"
+    if isinstance(e, ev.ReqChunked):
+        return f"{at}: chunk {e.chunk_index + 1} prefilled, {e.computed_len}/{e.total_len} tokens"
+    if isinstance(e, ev.ReqRetracted):
+        return (f"{at}: retracted ({e.reason}) after {e.output_tokens} output tokens; "
+                f"new_token_ratio {e.old_new_token_ratio:.3f} -> {e.new_token_ratio:.3f}")
+    if isinstance(e, ev.ReqAborted):
+        return f"{at}: aborted: {e.reason}"
+    assert isinstance(e, ev.ReqFinished)
+    return (f"{at}: finished ({e.reason}), {e.completion_tokens} output tokens, "
+            f"{e.cached_tokens} of {e.prompt_tokens} prompt tokens from the cache")
