@@ -108,6 +108,10 @@ class EventBus:
         fields.setdefault("iteration", self.iteration)
         self.publish(event_cls(**fields))
 
+    def wants(self, event_cls: type["Event"]) -> bool:
+        """Does any subscriber take this kind? (Check before building a costly event.)"""
+        return self.active or bool(self._by_kind.get(event_cls))
+
     def publish(self, event: "Event") -> None:
         """Hand a built event to every subscriber that takes its kind."""
         for fn in tuple(self._subscribers) + tuple(self._by_kind.get(type(event), ())):
@@ -266,9 +270,19 @@ class ForwardFinished(Event):
 
 @dataclass(frozen=True)
 class CacheMatched(Event):
+    """An admission's prefix match, and why the rest of the prompt was computed
+    (sglite/mem_cache/cache_miss.py; left at the defaults for a chunked request's next
+    chunk, whose prefix is its own earlier chunks)."""
+
     rid: str = ""
     matched_len: int = 0
     key_len: int = 0
+    evicted_len: int = 0  # computed because eviction took them
+    evicted_at: int = 0  # the iteration of that eviction
+    page_tail: int = 0  # a last partial page (the tree matches whole pages)
+    diverged_at: int = -1  # the cache held the first k tokens and nothing continuing them
+    rest_len: int = 0  # computed: past token k, or new
+    reason: str = ""  # all of it in words ("" for a next chunk)
 
 
 @dataclass(frozen=True)

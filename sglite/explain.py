@@ -11,7 +11,7 @@ from collections import Counter, OrderedDict
 from sglite import events as ev
 
 # the events that make up one request's history
-LIFECYCLE: tuple[type[ev.Event], ...] = (ev.ReqArrived, ev.ReqHeld, ev.ReqAdmitted, ev.ReqChunked,
+LIFECYCLE: tuple[type[ev.Event], ...] = (ev.ReqArrived, ev.ReqHeld, ev.CacheMatched, ev.ReqAdmitted, ev.ReqChunked,
                                          ev.ReqRetracted, ev.ReqAborted, ev.ReqFinished)
 BUDGET_WORDS = {
     "rem_total_tokens": "the KV pool (rem_total_tokens)",
@@ -57,11 +57,17 @@ def explain(events: list[ev.Event], rid: str) -> str:
     admitted = False  # a ReqAdmitted while admitted is the next chunk of its prompt
     for i, e in enumerate(mine):
         until = mine[i + 1].iteration if i + 1 < len(mine) else None
+        if isinstance(e, ev.CacheMatched) and not e.reason:
+            continue  # a next chunk: its prefix is its own earlier chunks
         if isinstance(e, ev.ReqAdmitted) and admitted:
             lines.append(f"iteration {e.iteration}: next chunk, {e.prefix_len} tokens computed + {e.extend_len} to prefill")
         else:
             lines.append(_describe(e, until, held_rounds))
         admitted = isinstance(e, (ev.ReqAdmitted, ev.ReqChunked)) or (admitted and not isinstance(e, ev.ReqRetracted))
+    matches = [e for e in mine if isinstance(e, ev.CacheMatched) and e.reason]
+    if len(matches) > 1:
+        lines.append(f"the radix cache served {sum(e.matched_len for e in matches)} of "
+                     f"{sum(e.key_len for e in matches)} tokens over its {len(matches)} admissions")
     if held_rounds:
         parts = ", ".join(f"{b} {n}" for b, n in held_rounds.most_common())
         lines.append(f"held {sum(held_rounds.values())} rounds in all, by budget: {parts}")
@@ -79,6 +85,8 @@ def _describe(e: ev.Event, until: int | None, held_rounds: Counter[str]) -> str:
         span = at if rounds <= 1 else f"iterations {e.iteration}-{e.iteration + rounds - 1} ({rounds} rounds)"
         numbers = f": needs {e.need}, has {e.have}" if e.need else ""
         return f"{span}: held by {BUDGET_WORDS.get(e.budget, e.budget)}{numbers}; {e.detail}"
+    if isinstance(e, ev.CacheMatched):
+        return f"{at}: radix cache: {e.matched_len} of {e.key_len} tokens cached; computed: {e.reason}"
     if isinstance(e, ev.ReqAdmitted):
         chunked = ", the first chunk of its prompt" if e.chunked else ""
         return f"{at}: admitted, {e.prefix_len} tokens from the cache + {e.extend_len} to prefill{chunked}"

@@ -174,6 +174,8 @@ class ViewBuilder:
         if isinstance(e, (ev.ReqArrived, ev.ReqHeld, ev.ReqAdmitted, ev.ReqChunked, ev.ReqRetracted,
                           ev.ReqFinished, ev.ReqAborted, ev.TokensEmitted)):
             self._apply_req(e, self._req(e.rid))
+        elif isinstance(e, ev.CacheMatched) and e.evicted_len:
+            self.add_log(it, f"[yellow]recompute[/] {short_rid(e.rid)}: {e.evicted_len} tok evicted at iter {e.evicted_at}")
         elif isinstance(e, ev.CacheEvicted):
             self.add_log(it, f"[yellow]evict[/] {e.num_tokens} tok, {e.num_nodes} nodes")
         elif isinstance(e, ev.AdmissionStopped):

@@ -167,6 +167,7 @@ class PrefillAdder:
         self.can_run_list: list["Req"] = []
         self.new_chunked_req: "Req | None" = None
         self.hold: Hold | None = None  # why the last request offered was not admitted
+        self.continued: "Req | None" = None  # the chunked request whose next chunk runs
         self.log_hit_tokens = 0
         self.log_input_tokens = 0
         if running_batch is not None:
@@ -218,6 +219,7 @@ class PrefillAdder:
 
     def add_chunked_req(self, req: "Req") -> "Req | None":
         """The request being chunked goes first; returns it while more chunks remain."""
+        self.continued = req
         chunk = self.rem_chunk_tokens if self.rem_chunk_tokens is not None else req.extend_input_len
         truncated = req.extend_input_len > chunk
         req.extend_input_len = min(req.extend_input_len, chunk)

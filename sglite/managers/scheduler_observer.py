@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from sglite import events as ev
+from sglite.mem_cache.cache_miss import classify
 from sglite.sampling.sampling_params import TOP_K_ALL
 
 if TYPE_CHECKING:
@@ -28,6 +30,8 @@ class SchedulerObserver:
         self.scheduler = scheduler
         self.event_bus = event_bus
         self.num_retracted_reqs = 0
+        # computed prompt tokens by why the cache did not serve them (cache_miss.py)
+        self.cache_miss_tokens: Counter[str] = Counter()
         self.total_hit_tokens = 0
         self.total_input_tokens = 0
         self.num_generated_tokens = 0  # since the last Decode batch. line
@@ -67,7 +71,7 @@ class SchedulerObserver:
                 "available_tokens": s.token_to_kv_pool_allocator.available_size(),
                 "evictable_tokens": s.tree_cache.evictable_size(), "cache_hit_rate": self.cache_hit_rate(),
                 "num_retracted_reqs": self.num_retracted_reqs, "new_token_ratio": s.new_token_ratio,
-                "last_gen_throughput": self.last_gen_throughput}
+                "last_gen_throughput": self.last_gen_throughput, "cache_miss_tokens": dict(self.cache_miss_tokens)}
 
     def on_req_arrived(self, req: "Req", temperature: float) -> None:
         p = req.sampling_params
@@ -116,8 +120,7 @@ class SchedulerObserver:
             req.hold = None  # admitted: a later hold (after a retraction) is news again
             if req.last_node is not None:
                 self.last_matched_node_id = req.last_node.id
-            self.event_bus.emit(ev.CacheMatched, rid=req.rid, matched_len=len(req.prefix_indices),
-                                key_len=len(req.fill_ids))
+            self._emit_cache_matched(req, continued=req is adder.continued)
             self.event_bus.emit(ev.ReqAdmitted, rid=req.rid, prefix_len=len(req.prefix_indices),
                                 extend_len=req.extend_input_len, chunked=req is chunked)
         logger.info(
@@ -126,6 +129,25 @@ class SchedulerObserver:
             len(can_run), adder.log_input_tokens, adder.log_hit_tokens, self.token_usage(),
             running_bs, len(self.scheduler.waiting_queue),
         )
+
+    def _emit_cache_matched(self, req: "Req", continued: bool) -> None:
+        """The admission's prefix match and, for a first admission (not a next chunk),
+        why the rest was computed; the tokens counted by reason in cache_miss_tokens."""
+        if continued:
+            self.event_bus.emit(ev.CacheMatched, rid=req.rid, matched_len=len(req.prefix_indices),
+                                key_len=len(req.fill_ids))
+            return
+        s = self.scheduler
+        fill = req.origin_input_ids + req.output_ids
+        miss = classify(fill, len(req.prefix_indices), s.page_size, s.tree_cache.evicted_keys)
+        for reason, n in (("evicted", miss.evicted), ("page_tail", miss.page_tail), ("last_token", miss.last_token),
+                          ("radix_off" if miss.radix_off else "past_shared" if miss.diverged_at > 0 else "new",
+                           miss.rest)):
+            self.cache_miss_tokens[reason] += n
+        if self.event_bus.wants(ev.CacheMatched):
+            self.event_bus.emit(ev.CacheMatched, rid=req.rid, matched_len=miss.matched, key_len=len(fill),
+                                evicted_len=miss.evicted, evicted_at=miss.evicted_at, page_tail=miss.page_tail,
+                                diverged_at=miss.diverged_at, rest_len=miss.rest, reason=miss.reason)
 
     def on_retract(self, retracted: list["Req"], old_ratio: float, new_ratio: float,
                    reason: str = "KV cache pool is full") -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from sglite.mem_cache.cache_miss import EvictionMemory
     from sglite.events import EventBus, TreeNodeRow
     from sglite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 
@@ -53,6 +54,8 @@ class BasePrefixCache(ABC):
         self.page_size = page_size
         self.event_bus = event_bus
         self.device = token_to_kv_pool_allocator.device
+        # what eviction took (RadixCache); None: no prefix matching, every token is computed
+        self.evicted_keys: EvictionMemory | None = None
 
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)

@@ -22,6 +22,7 @@ import torch
 
 from sglite.events import CacheEvicted, CacheInserted, EventBus, TreeNodeRow
 from sglite.mem_cache.base_prefix_cache import BasePrefixCache, CachedReq, MatchResult
+from sglite.mem_cache.cache_miss import EvictionMemory
 from sglite.mem_cache.memory_pool import page_align_down
 
 if TYPE_CHECKING:
@@ -99,6 +100,8 @@ class RadixCache(BasePrefixCache):
         else:
             self.key_match_fn = lambda k0, k1: _key_match_paged(k0, k1, page_size)
             self.get_child_key_fn = lambda key: tuple(key[:page_size])
+        # what eviction took, so an admission can tell evicted tokens from new ones
+        self.evicted_keys = EvictionMemory()
         self.reset()
 
     # --- tree -----------------------------------------------------------------------
@@ -209,6 +212,7 @@ class RadixCache(BasePrefixCache):
         num_nodes = 0
         while num_evicted < num_tokens and leaves:
             x = heapq.heappop(leaves)
+            self._remember_evicted(x, num_nodes)
             self.token_to_kv_pool_allocator.free(x.value)
             num_evicted += len(x.value)
             num_nodes += 1
@@ -217,6 +221,16 @@ class RadixCache(BasePrefixCache):
                 heapq.heappush(leaves, parent)
         if num_nodes and self.event_bus is not None:
             self.event_bus.emit(CacheEvicted, num_tokens=num_evicted, num_nodes=num_nodes)
+
+    def _remember_evicted(self, leaf: TreeNode, lru_rank: int) -> None:
+        path: list[list[int]] = []
+        node: TreeNode | None = leaf
+        while node is not None and node is not self.root_node:
+            path.append(node.key)
+            node = node.parent
+        key = tuple(t for k in reversed(path) for t in k)
+        iteration = self.event_bus.iteration if self.event_bus is not None else 0
+        self.evicted_keys.record(key, len(key) - len(leaf.key), iteration, lru_rank)
 
     def _delete_leaf(self, node: TreeNode) -> TreeNode:
         parent = node.parent
