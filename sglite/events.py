@@ -195,6 +195,8 @@ class ReqRetracted(Event):
     old_new_token_ratio: float = 0.0
     new_token_ratio: float = 0.0
     output_tokens: int = 0
+    kept_tokens: int = 0  # of its sequence, left in the radix cache (hit again unless evicted first)
+    recompute_tokens: int = 0  # the rest, prefilled again on re-admission
 
 
 @dataclass(frozen=True)

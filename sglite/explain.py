@@ -9,10 +9,15 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 
 from sglite import events as ev
+from sglite.managers.schedule_batch import RETRACT_DECODE_STEPS
 
 # the events that make up one request's history
 LIFECYCLE: tuple[type[ev.Event], ...] = (ev.ReqArrived, ev.ReqHeld, ev.CacheMatched, ev.ReqAdmitted, ev.ReqChunked,
                                          ev.ReqRetracted, ev.ReqAborted, ev.ReqFinished)
+POOL_FULL = "KV cache pool is full"
+# ScheduleBatch.retract_decode's order (SGLang's): who goes first
+RETRACT_RULE = ("; SGLang's order: the request with the fewest output tokens goes first, ties to the longest "
+                f"prompt, until the rest can decode {RETRACT_DECODE_STEPS} more steps")
 BUDGET_WORDS = {
     "rem_total_tokens": "the KV pool (rem_total_tokens)",
     "rem_input_tokens": "the prefill token budget (max_prefill_tokens, rem_input_tokens)",
@@ -93,7 +98,9 @@ def _describe(e: ev.Event, until: int | None, held_rounds: Counter[str]) -> str:
     if isinstance(e, ev.ReqChunked):
         return f"{at}: chunk {e.chunk_index + 1} prefilled, {e.computed_len}/{e.total_len} tokens"
     if isinstance(e, ev.ReqRetracted):
-        return (f"{at}: retracted ({e.reason}) after {e.output_tokens} output tokens; "
+        rule = RETRACT_RULE if e.reason == POOL_FULL else ""
+        return (f"{at}: retracted ({e.reason}{rule}) after {e.output_tokens} output tokens: "
+                f"{e.kept_tokens} tokens stay in the radix cache, {e.recompute_tokens} to prefill again; "
                 f"new_token_ratio {e.old_new_token_ratio:.3f} -> {e.new_token_ratio:.3f}")
     if isinstance(e, ev.ReqAborted):
         return f"{at}: aborted: {e.reason}"

@@ -182,6 +182,7 @@ class TimelineBuilder:
         st.first_token_at = None
         st.root.events.append(("retract", e.ts, {
             "sglite.reason": e.reason, "sglite.output_tokens": e.output_tokens,
+            "sglite.kept_tokens": e.kept_tokens, "sglite.recompute_tokens": e.recompute_tokens,
             "sglite.new_token_ratio.before": e.old_new_token_ratio, "sglite.new_token_ratio": e.new_token_ratio}))
         self._stage(st, "waiting", e.ts, **{"sglite.after_retract": True})
 

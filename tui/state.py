@@ -218,7 +218,8 @@ class ViewBuilder:
             self.retractions += 1
             self.queued_at[e.rid] = it
             r.retracted.append(it)
-            r.timeline.append((it, f"retracted at {e.output_tokens} tokens"))
+            r.timeline.append((it, f"retracted at {e.output_tokens} tokens ({e.kept_tokens} stay cached, "
+                                   f"{e.recompute_tokens} to prefill again)"))
             self.add_log(it, f"[red]retract[/] {short_rid(e.rid)} at {e.output_tokens} tok, "
                              f"new_token_ratio {e.old_new_token_ratio:.3f}->{e.new_token_ratio:.3f}")
         elif isinstance(e, ev.ReqFinished):

@@ -123,6 +123,7 @@ class Req:
         self.chunk_index = 0
         self.is_retracted = False
         self.retraction_count = 0
+        self.retract_kept_tokens = 0  # at the last retraction: KV tokens left in the radix cache
         self.hold: Hold | None = None  # why admission left it waiting, last round (holds_of_round)
         self.cached_tokens = 0
         self.already_computed = 0
@@ -159,6 +160,8 @@ class Req:
     def reset_for_retract(self) -> None:
         """Back to waiting: output_ids stay, the KV is gone (a cached prefix may stay in
         the radix tree and be matched again on re-admission)."""
+        # the tree part of its KV (inserted after its prefill) stays cached, unlocked
+        self.retract_kept_tokens = len(self.prefix_indices)
         self.prefix_indices = torch.empty(0, dtype=torch.int64)
         self.last_node = None
         self.extend_input_len = 0

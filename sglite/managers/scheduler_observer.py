@@ -155,9 +155,11 @@ class SchedulerObserver:
         logger.warning("%s. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f -> %.4f",
                        reason, len(retracted), old_ratio, new_ratio)
         for req in retracted:
+            kept = req.retract_kept_tokens
             self.event_bus.emit(ev.ReqRetracted, rid=req.rid, reason=reason,
                                 old_new_token_ratio=old_ratio, new_token_ratio=new_ratio,
-                                output_tokens=len(req.output_ids))
+                                output_tokens=len(req.output_ids), kept_tokens=kept,
+                                recompute_tokens=len(req.origin_input_ids) + len(req.output_ids) - kept)
 
     # --- forwards ---------------------------------------------------------------------
 

@@ -71,6 +71,7 @@ class SchedulerRecovery:
         for req in held:
             req.reset_for_retract()
             req.req_pool_idx, req.is_chunked = None, 0
+            req.retract_kept_tokens = 0  # the cache is emptied below
         s.chunked_req = None
         s.running_batch = s.make_batch([])
         s.tree_cache.reset()

@@ -106,3 +106,19 @@ def test_the_example_in_docs_why_md_is_what_explain_prints():
     e.generate(input_ids=[[7] * 50, [8] * 50, [9] * 50, [10] * 100], sampling_params={
         "max_new_tokens": 100, "temperature": 0, "ignore_eos": True})
     assert e.explain("r3") == shown
+
+
+def test_a_retraction_says_what_stays_cached_and_what_is_prefilled_again():
+    engine = Engine("tiny-random", log_level="error", max_total_tokens=400, disable_overlap_schedule=True)
+    engine.generate(input_ids=[[7] * 50, [8] * 50, [9] * 50], sampling_params={**NO_EOS, "max_new_tokens": 100})
+    events = engine.history.events("r2")
+    (retract,) = [e for e in events if isinstance(e, ev.ReqRetracted)]
+    # its prompt was inserted after its prefill: it stays; its output is prefilled again
+    assert (retract.kept_tokens, retract.recompute_tokens) == (50, retract.output_tokens)
+    readmitted = [e for e in events if isinstance(e, ev.CacheMatched) and e.iteration > retract.iteration][0]
+    assert readmitted.matched_len == retract.kept_tokens  # nothing was evicted in between
+    assert readmitted.key_len - readmitted.matched_len == retract.recompute_tokens
+    text = engine.explain("r2")
+    assert (f"after {retract.output_tokens} output tokens: 50 tokens stay in the radix cache, "
+            f"{retract.output_tokens} to prefill again") in text
+    assert "the request with the fewest output tokens goes first, ties to the longest prompt" in text
