@@ -67,10 +67,11 @@ def check_engine_args(args: argparse.Namespace) -> ServerArgs:
 def attach_viewers(engine: Any, args: argparse.Namespace) -> Callable[[], None]:
     """Subscribe the recorder and the plugins' viewers; returns what closes them."""
     from sglite.events import EventRecorder
+    from sglite.replay import header_for
 
     closers: list[Callable[[], None]] = []
     if getattr(args, "record", None):
-        rec = EventRecorder(args.record)
+        rec = EventRecorder(args.record, header_for(engine))  # sglite replay --rerun rebuilds the engine
         unsubscribe = engine.event_bus.subscribe(rec, snapshots=True)  # `sglite tui --replay` shows state
         closers += [rec.close, unsubscribe]
     for plugin in plugins():
@@ -186,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
     _add_serve(sub)
+    from sglite.replay import add_command as add_replay
+
+    add_replay(sub)
     for plugin in plugins():
         if hasattr(plugin, "add_commands"):
             plugin.add_commands(sub)

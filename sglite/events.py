@@ -119,10 +119,13 @@ class EventBus:
 
 
 class EventRecorder:
-    """Subscriber writing one JSON object per line (``--record PATH``)."""
+    """Subscriber writing one JSON object per line (``--record PATH``). ``header``: an
+    event written first (RecordingStarted: what `sglite replay --rerun` needs)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, header: "Event | None" = None):
         self._f = open(path, "w")
+        if header is not None:
+            self(header)
 
     def __call__(self, event: Event) -> None:
         self._f.write(event.to_json() + "\n")
@@ -148,6 +151,15 @@ class EventLog:
 
 
 @dataclass(frozen=True)
+class RecordingStarted(Event):
+    """The first line of a recording: the engine's server arguments, so that
+    `sglite replay --rerun` can build the same engine."""
+
+    server_args: dict[str, Any] = field(default_factory=dict)
+    version: str = ""
+
+
+@dataclass(frozen=True)
 class ReqArrived(Event):
     rid: str = ""
     prompt_tokens: int = 0
@@ -157,6 +169,10 @@ class ReqArrived(Event):
     top_k: int = -1
     ignore_eos: bool = False  # decodes past the model's end of turn (SamplingParams.ignore_eos)
     trace_parent: str = ""  # W3C traceparent the request's spans continue (sglite serve), "" for none
+    # what `sglite replay --rerun` submits again: the prompt's token ids and the sampling
+    # parameters as the scheduler ran them (seed included)
+    input_ids: tuple[int, ...] = ()
+    sampling_params: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -326,7 +342,7 @@ class TreeNodeRow(NamedTuple):
     key_len: int
     key_head: tuple[int, ...]  # its first tokens
     lock_ref: int
-    access_seq: int  # order of last access (for LRU)
+    access_seq: int  # rank in LRU order: 0 is evicted first (of the unlocked leaves)
     hit_count: int
     key_text: str = ""  # key_head decoded (the scheduler's tokenizer; "" without one)
 

@@ -78,7 +78,8 @@ class SchedulerObserver:
         self.event_bus.emit(ev.ReqArrived, rid=req.rid, prompt_tokens=len(req.origin_input_ids),
                             max_new_tokens=p.max_new_tokens, temperature=temperature, top_p=p.top_p,
                             top_k=p.top_k if p.top_k < TOP_K_ALL else -1, ignore_eos=p.ignore_eos,
-                            trace_parent=req.trace_parent)
+                            trace_parent=req.trace_parent, input_ids=tuple(req.origin_input_ids),
+                            sampling_params={**p.to_dict(), "temperature": temperature, "seed": req.sampling_seed})
 
     def on_req_aborted(self, rid: str, reason: str) -> None:
         self.event_bus.emit(ev.ReqAborted, rid=rid, reason=reason)

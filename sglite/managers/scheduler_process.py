@@ -62,7 +62,8 @@ def _attach_viewers(scheduler: Any, server_args: ServerArgs, viewer_args: Any) -
 
     from sglite.cli import attach_viewers
 
-    return attach_viewers(SimpleNamespace(event_bus=scheduler.event_bus, server_args=server_args), viewer_args)
+    return attach_viewers(SimpleNamespace(event_bus=scheduler.event_bus, server_args=server_args, scheduler=scheduler),
+                          viewer_args)
 
 
 def _serve(scheduler: Any, server_args: ServerArgs, port_args: PortArgs, pipe: Connection,

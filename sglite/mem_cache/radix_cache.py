@@ -290,9 +290,13 @@ class RadixCache(BasePrefixCache):
         return torch.cat(values) if values else self._empty()
 
     def snapshot(self) -> list[TreeNodeRow]:
+        """One row per node; ``access_seq`` as the node's rank in LRU order (0: least
+        recently used), so two runs of the same requests give the same rows."""
+        nodes = list(self._iter_nodes())
+        rank = {n.id: r for r, n in enumerate(sorted(nodes, key=lambda n: n.access_seq))}
         return [TreeNodeRow(n.id, -1 if n.parent is None else n.parent.id, len(n.key),
-                            tuple(n.key[:SNAPSHOT_KEY_HEAD]), n.lock_ref, n.access_seq, n.hit_count)
-                for n in self._iter_nodes()]
+                            tuple(n.key[:SNAPSHOT_KEY_HEAD]), n.lock_ref, rank[n.id], n.hit_count)
+                for n in nodes]
 
     def pretty_print(self) -> str:
         lines: list[str] = []

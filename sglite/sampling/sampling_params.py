@@ -47,6 +47,10 @@ class SamplingParams:
         params.check_types()
         return params
 
+    def to_dict(self) -> dict[str, Any]:
+        """The parameters from_dict takes (not the derived stop_strs)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stop_strs"}
+
     def check_types(self) -> None:
         """Every field has its type: ints are ints (not bools or floats), floats are
         finite numbers, flags are bools, stop is a str or a list of non-empty strs."""
