@@ -15,9 +15,10 @@ from typing import Callable, Iterator
 from sglite import events as ev
 from sglite.managers.io_struct import (AbortReq, BatchTokenIDOut, FlushCacheReqInput, FlushCacheReqOutput,
                                       GetInternalStateReq, GetInternalStateReqOutput, TokenizedGenerateReqInput)
-from sglite.managers.schedule_batch import FINISH_ABORT, FINISH_MATCHED_STR, Req, ScheduleBatch
+from sglite.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from sglite.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy, holds_of_round
 from sglite.managers.scheduler_observer import SchedulerObserver
+from sglite.managers.scheduler_output_processor import SchedulerOutputProcessor
 from sglite.managers.scheduler_recovery import SchedulerRecovery
 from sglite.managers.scheduler_runtime_checker import KVAccountingError, SchedulerRuntimeChecker
 from sglite.managers.tp_worker import GenerationBatchResult, TpModelWorker
@@ -44,6 +45,8 @@ class Scheduler:
         worker = tp_worker or TpModelWorker(server_args)
         self.tokenizer = worker.tokenizer
         self.model_config = worker.model_config
+        self.eos_token_ids = set(self.model_config.eos_token_ids) | set(
+            self.tokenizer.eos_token_ids if self.tokenizer is not None else ())
         self.device = worker.device
         self.req_to_token_pool, self.token_to_kv_pool_allocator = worker.get_memory_pool()
         self.max_total_num_tokens = worker.max_total_num_tokens
@@ -87,6 +90,7 @@ class Scheduler:
         self.observer = SchedulerObserver(self, self.event_bus)
         self.runtime_checker = SchedulerRuntimeChecker(self)
         self.recovery = SchedulerRecovery(self)
+        self.output_processor = SchedulerOutputProcessor(self)
 
     def make_batch(self, reqs: list[Req], chunked_req: Req | None = None) -> ScheduleBatch:
         return ScheduleBatch.init_new(reqs, self.req_to_token_pool, self.token_to_kv_pool_allocator,
@@ -220,20 +224,14 @@ class Scheduler:
     def handle_generate_request(self, recv_req: TokenizedGenerateReqInput) -> None:
         error = self._validate(recv_req)
         if error is not None:
-            self.send_to_detokenizer(BatchTokenIDOut(recv_req.rid, [], True, {
-                "id": recv_req.rid, "prompt_tokens": len(recv_req.input_ids or []), "completion_tokens": 0,
-                "cached_tokens": 0, "finish_reason": FINISH_ABORT(error, is_error=True).to_json(), "error": error}))
-            self.observer.on_req_aborted(recv_req.rid, error)
+            self.output_processor.send_rejected(recv_req.rid, len(recv_req.input_ids or []), error)
             return
         params = recv_req.sampling_params
         temperature = params.temperature  # before normalize() turns 0 into greedy top_k=1
         params.normalize()
         # like SGLang: the output may use whatever the prompt leaves of max_req_len
         params.max_new_tokens = min(params.max_new_tokens, self.max_req_len - len(recv_req.input_ids))
-        eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None:
-            eos |= set(self.tokenizer.eos_token_ids)
-        req = Req(recv_req.rid, recv_req.input_text, list(recv_req.input_ids), params, eos,
+        req = Req(recv_req.rid, recv_req.input_text, list(recv_req.input_ids), params, self.eos_token_ids,
                   seed=self.server_args.random_seed + self.num_reqs_received, stream=recv_req.stream,
                   tokenizer=self.tokenizer)
         req.trace_parent = recv_req.trace_parent
@@ -261,7 +259,7 @@ class Scheduler:
         if req.req_pool_idx is not None:
             self.tree_cache.cache_finished_req(req)
         self.observer.on_req_aborted(req.rid, message)
-        self.stream_output(req)
+        self.output_processor.stream_output(req)
 
     def _abort_on_timeouts(self) -> None:
         wt, rt = self.server_args.waiting_timeout, self.server_args.running_timeout
@@ -422,52 +420,9 @@ class Scheduler:
     # --- 4. process_batch_result --------------------------------------------------------
 
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
-        next_token_ids = self.tp_worker.resolve_last_batch_result(result)
-        self.req_to_token_pool.mark_forward_done(result.bid)
-        self.observer.on_batch_result(batch, result)
-        decoding = set(map(id, batch.decoding_reqs))
-        for i, (req, token_id) in enumerate(zip(batch.reqs, next_token_ids)):
-            if result.future_token_ids and req.future_token_id == result.future_token_ids[i]:
-                req.future_token_id = None  # no later round of this request is in flight
-            if req.finished():
-                # aborted while its batch ran, or (overlap) finished by the previous
-                # round after this one was planned: the token is dropped, never streamed
-                continue
-            if req.is_retracted:
-                continue  # overlap: retracted while this round ran; recomputed after re-admission
-            if batch.forward_mode.is_extend() and id(req) not in decoding and req.is_chunked > 0:
-                # a non-final chunk: its sampled token is meaningless
-                req.is_chunked -= 1
-                req.chunk_index += 1
-                self.observer.on_req_chunked(req, batch.seq_lens[i])
-                continue
-            req.output_ids.append(token_id)
-            if req.first_token_time is None:
-                req.first_token_time = time.perf_counter()
-            req.check_finished()
-            req.check_stop_str()
-            if req.finished():
-                req.completion_time = time.perf_counter()
-                self.tree_cache.cache_finished_req(req)
-            # SGLang's stream_interval: the first token, every Nth, and the last
-            unsent = len(req.output_ids) - req.send_token_offset
-            if req.finished() or req.send_token_offset == 0 or unsent >= self.server_args.stream_interval:
-                self.stream_output(req)
-
-    def stream_output(self, req: Req) -> None:
-        """Send the request's new tokens to the detokenizer (and, once finished, what it
-        reports)."""
-        new_ids = req.output_ids[req.send_token_offset :]
-        req.send_token_offset = len(req.output_ids)
-        finished = req.finished()
-        reason = req.finished_reason
-        matched = reason.matched if isinstance(reason, FINISH_MATCHED_STR) else None
-        params = req.sampling_params
-        self.send_to_detokenizer(BatchTokenIDOut(
-            req.rid, new_ids, finished, req.meta_info() if finished else {"id": req.rid},
-            params.skip_special_tokens, tuple(params.stop_strs), None if params.no_stop_trim else matched))
-        if finished and not isinstance(reason, FINISH_ABORT):
-            self.observer.on_req_finished(req)
+        """docs/seeds.md §B7: each request's new token, its finish check, its stream
+        (SchedulerOutputProcessor: SGLang's scheduler_output_processor_mixin.py)."""
+        self.output_processor.process_batch_result(batch, result)
 
     # --- 5. idle ----------------------------------------------------------------------
 
@@ -485,9 +440,6 @@ class Scheduler:
         """Order the waiting_queue by ``name`` from the next admission on (the TUI's policy key)."""
         self.server_args.schedule_policy = name
         self.policy = SchedulePolicy(name, self.tree_cache, self.server_args.random_seed)
-
-    def snapshot(self) -> ev.SchedulerSnapshot:
-        return self.observer.snapshot()
 
     def shutdown(self) -> None:
         """Finish the round in flight (overlap) and stop the forward worker."""
