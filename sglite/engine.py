@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from sglite.events import EventBus
-from sglite.explain import LIFECYCLE, RequestHistory, explain
 from sglite.managers.detokenizer_manager import DetokenizerManager
 from sglite.managers.io_struct import AbortReq, BatchStrOut, BatchTokenIDOut
 from sglite.managers.scheduler import Scheduler
@@ -62,10 +61,8 @@ class Engine:
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         _setup_logging(self.server_args.log_level)
         self.event_bus = event_bus or EventBus()
-        # every request's arrival, holds, admission, retractions and finish, for explain()
-        self.history = RequestHistory()
-        self.event_bus.subscribe(self.history, kinds=LIFECYCLE)
         self.scheduler = Scheduler(self.server_args, event_bus=self.event_bus)
+        self.history = self.scheduler.observer.history  # the lifecycle events explain() reads
         self.tokenizer = self.scheduler.tokenizer
         s = self.scheduler
         self.tokenizer_manager = TokenizerManager(self.tokenizer, s.model_config.vocab_size, s.max_req_input_len,
@@ -144,7 +141,10 @@ class Engine:
         (docs/why.md). Raises KeyError for a rid this engine has not seen (or forgot:
         it keeps the last 10,000)."""
         with self._lock:
-            return explain(self.history.events(rid), rid)
+            out = self.scheduler.observer.explain(rid)
+        if out.error:
+            raise KeyError(out.error)
+        return out.text
 
     # --- generate ---------------------------------------------------------------------
 

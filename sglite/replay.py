@@ -198,6 +198,25 @@ def add_command(sub: Any) -> None:
         if action.dest in names:
             action.default = argparse.SUPPRESS
     p.set_defaults(func=_run_command)
+    e = sub.add_parser("explain", help="a request's history in words, from a --record recording (docs/why.md)")
+    e.add_argument("recording", help="a file written by --record (sglite generate, serve or tui)")
+    e.add_argument("rid", nargs="+", help="the request id(s)")
+    e.set_defaults(func=_run_explain)
+
+
+def _run_explain(args: Any) -> int:
+    try:
+        events = list(ev.load_events(args.recording))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{args.recording} is not an sglite recording (--record writes one): {e}") from None
+    from sglite.explain import explain  # (imports torch: after the file is known good)
+
+    for rid in args.rid:
+        try:
+            print(explain(events, rid))
+        except KeyError as e:
+            raise ValueError(e.args[0]) from None
+    return 0
 
 
 def _run_command(args: Any) -> int:

@@ -44,6 +44,10 @@ BAD_COMMANDS: list[tuple[str, list[str], str]] = [
     ("serve: a model path that does not exist", ["serve", "--model-path", "/nonexistent/m.gguf"], "not a file or folder"),
     ("tui --attach without a URL scheme", ["tui", "--attach", "127.0.0.1:30000"], "--attach needs a URL"),
     ("bench-serving --max-concurrency 0", ["bench-serving", "--max-concurrency", "0"], "--max-concurrency must be"),
+    ("replay --rerun a missing file", ["replay", "--rerun", "/nonexistent/r.jsonl"], "No such file"),
+    ("replay --diff a missing file", ["replay", "--diff", "/nonexistent/a.jsonl", "/nonexistent/b.jsonl"],
+     "No such file"),
+    ("explain a missing file", ["explain", "/nonexistent/r.jsonl", "r0"], "No such file"),
 ]
 
 

@@ -91,6 +91,13 @@ def test_cli_rerun_and_diff(tmp_path):
     diff = subprocess.run(run + ["--diff", str(tmp_path / "a.jsonl"), str(tmp_path / "c.jsonl")],
                           capture_output=True, text=True, timeout=300)
     assert diff.returncode == 0 and "wait (iters)" in diff.stdout and "r0" in diff.stdout
+    told = subprocess.run([sys.executable, "-m", "sglite.cli", "explain", str(tmp_path / "a.jsonl"), "r1", "r0"],
+                          capture_output=True, text=True, timeout=300)
+    assert told.returncode == 0 and told.stdout.startswith("r1\n  iteration 1: arrived") and "\nr0\n" in told.stdout
+    bad = subprocess.run([sys.executable, "-m", "sglite.cli", "explain", str(tmp_path / "a.jsonl"), "zz"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "error: no request 'zz' in this history (an unknown rid, or one older than the history)")
 
 
 @pytest.mark.real_model

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from sglite.entrypoints import openai_api as oai
-from sglite.managers.io_struct import DebugControlReq, FlushCacheReqInput, GetInternalStateReq
+from sglite.managers.io_struct import DebugControlReq, ExplainReq, FlushCacheReqInput, GetInternalStateReq
 from sglite.managers.tokenizer_manager import RequestError, ServerReqState, ServerTokenizerManager
 from sglite.server_args import ServerArgs
 
@@ -145,6 +145,14 @@ def _native_routes(app: FastAPI, manager: ServerTokenizerManager, info: ServerIn
         return {**dataclasses.asdict(info.server_args), "max_total_num_tokens": info.max_total_num_tokens,
                 "max_req_input_len": info.max_req_input_len, "internal_states": [state.internal_state],
                 "version": "sglite 0.1.0"}
+
+    @app.get("/explain")
+    async def explain(rid: str) -> Response:
+        """sglite's own route: a request's history in words (docs/why.md)."""
+        out = await manager.control(ExplainReq(rid))
+        if out.error:
+            return JSONResponse({"error": {"message": out.error}}, status_code=404)
+        return Response(out.text + "\n", media_type="text/plain")
 
     @app.post("/flush_cache")
     @app.get("/flush_cache")

@@ -75,6 +75,19 @@ class GetInternalStateReqOutput:
 
 
 @dataclass
+class ExplainReq:
+    """A request's history in words (``/explain?rid=``; Engine.explain offline)."""
+
+    rid: str
+
+
+@dataclass
+class ExplainReqOutput:
+    text: str  # "" when the scheduler's history has no such rid
+    error: str = ""
+
+
+@dataclass
 class DebugControlReq:
     """Pause, run or step the server's scheduler (``sglite serve --enable-debug-control``,
     for ``sglite tui --attach``): "pause", "run", "step" (one iteration, pausing) or

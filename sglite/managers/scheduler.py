@@ -13,8 +13,9 @@ from collections import deque
 from typing import Callable, Iterator
 
 from sglite import events as ev
-from sglite.managers.io_struct import (AbortReq, BatchTokenIDOut, FlushCacheReqInput, FlushCacheReqOutput,
-                                      GetInternalStateReq, GetInternalStateReqOutput, TokenizedGenerateReqInput)
+from sglite.managers.io_struct import (AbortReq, BatchTokenIDOut, ExplainReq, ExplainReqOutput, FlushCacheReqInput,
+                                      FlushCacheReqOutput, GetInternalStateReq, GetInternalStateReqOutput,
+                                      TokenizedGenerateReqInput)
 from sglite.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from sglite.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy, holds_of_round
 from sglite.managers.scheduler_observer import SchedulerObserver
@@ -34,8 +35,8 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 
-RecvItem = TokenizedGenerateReqInput | AbortReq | FlushCacheReqInput | GetInternalStateReq
-ControlOutput = FlushCacheReqOutput | GetInternalStateReqOutput
+RecvItem = TokenizedGenerateReqInput | AbortReq | FlushCacheReqInput | GetInternalStateReq | ExplainReq
+ControlOutput = FlushCacheReqOutput | GetInternalStateReqOutput | ExplainReqOutput
 
 
 class Scheduler:
@@ -184,12 +185,10 @@ class Scheduler:
         self.request_queue.put(item)
 
     def recv_requests(self) -> list[RecvItem]:
-        items = []
-        while True:
-            try:
-                items.append(self.request_queue.get_nowait())
-            except queue.Empty:
-                return items
+        items: list[RecvItem] = []
+        while not self.request_queue.empty():  # this loop is the queue's only reader
+            items.append(self.request_queue.get_nowait())
+        return items
 
     def process_input_requests(self, recv_reqs: list[RecvItem]) -> None:
         for item in recv_reqs:
@@ -199,6 +198,8 @@ class Scheduler:
                 self.send_to_tokenizer(self.flush_cache())
             elif isinstance(item, GetInternalStateReq):
                 self.send_to_tokenizer(GetInternalStateReqOutput(self.observer.internal_state()))
+            elif isinstance(item, ExplainReq):
+                self.send_to_tokenizer(self.observer.explain(item.rid))
             else:
                 self.handle_generate_request(item)
 

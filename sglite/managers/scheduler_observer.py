@@ -12,6 +12,8 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from sglite import events as ev
+from sglite.explain import LIFECYCLE, RequestHistory, explain
+from sglite.managers.io_struct import ExplainReqOutput
 from sglite.mem_cache.cache_miss import classify
 from sglite.sampling.sampling_params import TOP_K_ALL
 
@@ -29,6 +31,9 @@ class SchedulerObserver:
     def __init__(self, scheduler: "Scheduler", event_bus: ev.EventBus):
         self.scheduler = scheduler
         self.event_bus = event_bus
+        # every request's arrival, holds, admissions, retractions and finish, for explain()
+        self.history = RequestHistory()
+        event_bus.subscribe(self.history, kinds=LIFECYCLE)
         self.num_retracted_reqs = 0
         # computed prompt tokens by why the cache did not serve them (cache_miss.py)
         self.cache_miss_tokens: Counter[str] = Counter()
@@ -72,6 +77,14 @@ class SchedulerObserver:
                 "evictable_tokens": s.tree_cache.evictable_size(), "cache_hit_rate": self.cache_hit_rate(),
                 "num_retracted_reqs": self.num_retracted_reqs, "new_token_ratio": s.new_token_ratio,
                 "last_gen_throughput": self.last_gen_throughput, "cache_miss_tokens": dict(self.cache_miss_tokens)}
+
+    def explain(self, rid: str) -> ExplainReqOutput:
+        """Request ``rid``'s history in words (sglite/explain.py), from the lifecycle
+        events kept for the last 10,000 requests (Engine.explain, /explain?rid=)."""
+        try:
+            return ExplainReqOutput(explain(self.history.events(rid), rid))
+        except KeyError as e:
+            return ExplainReqOutput("", str(e.args[0]))
 
     def on_req_arrived(self, req: "Req", temperature: float) -> None:
         p = req.sampling_params

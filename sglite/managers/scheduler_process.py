@@ -18,8 +18,8 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from sglite import events as ev
-from sglite.managers.io_struct import (BatchTokenIDOut, DebugControlReq, DebugControlReqOutput, FlushCacheReqInput,
-                                      GetInternalStateReq)
+from sglite.managers.io_struct import (BatchTokenIDOut, DebugControlReq, DebugControlReqOutput, ExplainReq,
+                                      FlushCacheReqInput, GetInternalStateReq)
 from sglite.server_args import PortArgs, ServerArgs
 
 IDLE_POLL_MS = 500  # how long an idle scheduler waits for a request before looking at its parent
@@ -151,7 +151,7 @@ class SchedulerProcessLoop:
                 return
             if isinstance(item, DebugControlReq):
                 self.control(item.cmd)
-            elif isinstance(item, (GetInternalStateReq, FlushCacheReqInput)):
+            elif isinstance(item, (GetInternalStateReq, FlushCacheReqInput, ExplainReq)):
                 self.scheduler.process_input_requests([item])  # answered now, between iterations, paused or not
             else:
                 self.scheduler.send(item)

@@ -222,6 +222,17 @@ def test_native_routes(server):
     assert httpx.post(f"{server.url}/abort_request", json={"rid": "no-such-request"}).status_code == 200
 
 
+def test_explain_tells_a_served_request_s_history(server):
+    r = httpx.post(f"{server.url}/generate", json={"text": PROMPTS[0], "rid": "why-1", "sampling_params": {
+        "max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}, timeout=60)
+    assert r.status_code == 200, r.text
+    text = httpx.get(f"{server.url}/explain", params={"rid": "why-1"}, timeout=30).text
+    assert text.startswith("why-1\n  iteration ") and "arrived" in text and "radix cache:" in text
+    assert "finished (length), 5 output tokens" in text
+    missing = httpx.get(f"{server.url}/explain", params={"rid": "nope"}, timeout=30)
+    assert missing.status_code == 404 and "no request 'nope'" in missing.json()["error"]["message"]
+
+
 def test_metrics_parse_and_count_what_was_served(server):
     before = server.metrics()
     total = 0
