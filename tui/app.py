@@ -346,9 +346,19 @@ class SchedulerApp(App):
         pool.set_lines([bar] + [Text(line) for line in (
             f"used {used} free {v.pool_free}", f"cached {v.pool_evictable} usage {v.token_usage:.2f}",
             f"hit {v.cache_hit_rate:.2f} retracted {v.retractions}", f"new_token_ratio {v.new_token_ratio:.3f}",
-            f"admit: {stop}", f"{self._throughput(v):.1f} tok/s")])
+            f"admit: {stop}", f"{self._throughput(v):.1f} tok/s")] + self._miss_line(v, box.size.height - 4))
         self.query_one("#hit", TextSparkline).show(v.hit_rate_history, top=1.0)
         self.query_one("#tput", TextSparkline).show(v.throughput_history)
+
+    @staticmethod
+    def _miss_line(v: View, height: int) -> list[Text]:
+        """Prompt tokens computed, by why the cache missed them (docs/why.md): a line
+        when the panel has room for it (``height``: inside the border, less the two
+        sparklines; not at 80x24)."""
+        m = v.cache_miss
+        if height < 8 or not m:
+            return []
+        return [Text(f"miss: new {m['new']} past {m['past']} evicted {m['evicted']} page {m['page']}")]
 
     def _render_slow_panels(self, v: View) -> None:
         self._render_tree(v)

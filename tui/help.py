@@ -67,6 +67,10 @@ PANELS = [
                      "prefill budget spent (OTHER: max_prefill_tokens or the chunk), max running reqs "
                      "(MAX_RUNNING_REQUESTS), waits on a shared prefix (IN_BATCH_PREFIX_WAIT)",
      "PrefillAdder, AddReqResult"),
+    ("  miss: ...", "prompt tokens computed so far, by why the radix cache did not serve them: new (nothing "
+                    "cached starts like it), past (beyond the part the cache shares), evicted (LRU took them), "
+                    "page (a last partial page); shown when the panel has room (docs/why.md)",
+     "CacheMatched, RadixCache.evict"),
     ("  tok/s", "output tokens a second over the last 2 s (0 when nothing runs); the sparklines: hit rate "
                 "and tok/s per iteration", "gen_throughput"),
     ("radix tree", "the prefix cache: one node a line, children indented; the path the last admitted "

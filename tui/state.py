@@ -115,6 +115,7 @@ class View:
     cache_hit_rate: float = 0.0
     new_token_ratio: float = 0.0
     retractions: int = 0
+    cache_miss: dict[str, int] = field(default_factory=dict)  # computed prompt tokens by why (CacheMatched)
     admission_stop: str = ""
     tree: tuple[ev.TreeNodeRow, ...] = ()  # SchedulerSnapshot.tree rows
     matched_path: frozenset[int] = frozenset()  # node ids from the root to the last match
@@ -149,6 +150,7 @@ class ViewBuilder:
         self.queued_at: dict[str, int] = {}
         self.finished = 0
         self.retractions = 0
+        self.cache_miss: dict[str, int] = {"evicted": 0, "new": 0, "past": 0, "page": 0}
         self.admission_stop = ""
         self._last_stop_logged = ""
         self._snapshot: ev.SchedulerSnapshot | None = None
@@ -174,8 +176,8 @@ class ViewBuilder:
         if isinstance(e, (ev.ReqArrived, ev.ReqHeld, ev.ReqAdmitted, ev.ReqChunked, ev.ReqRetracted,
                           ev.ReqFinished, ev.ReqAborted, ev.TokensEmitted)):
             self._apply_req(e, self._req(e.rid))
-        elif isinstance(e, ev.CacheMatched) and e.evicted_len:
-            self.add_log(it, f"[yellow]recompute[/] {short_rid(e.rid)}: {e.evicted_len} tok evicted at iter {e.evicted_at}")
+        elif isinstance(e, ev.CacheMatched) and e.reason:
+            self._count_miss(e)
         elif isinstance(e, ev.CacheEvicted):
             self.add_log(it, f"[yellow]evict[/] {e.num_tokens} tok, {e.num_nodes} nodes")
         elif isinstance(e, ev.AdmissionStopped):
@@ -193,6 +195,16 @@ class ViewBuilder:
         elif isinstance(e, ev.IterationFinished):
             return self._finish_iteration(e)
         return None
+
+    def _count_miss(self, e: ev.CacheMatched) -> None:
+        """The prompt tokens an admission computed, by why the cache did not serve them."""
+        m = self.cache_miss
+        m["evicted"] += e.evicted_len
+        m["past" if e.diverged_at > 0 else "new"] += e.rest_len
+        m["page"] += e.page_tail
+        if e.evicted_len:
+            self.add_log(e.iteration, f"[yellow]recompute[/] {short_rid(e.rid)}: {e.evicted_len} tok evicted "
+                                      f"at iter {e.evicted_at}")
 
     def _apply_req(self, e: Any, r: ReqInfo) -> None:
         """One request's event: its story (detail screen), the log, the counters."""
@@ -269,6 +281,7 @@ class ViewBuilder:
             iteration=it, forward_mode=e.forward_mode or "IDLE", bid=e.bid, processed_bid=e.processed_bid,
             plan=plan, plan_rows=rows, token_usage=e.token_usage, cache_hit_rate=e.cache_hit_rate,
             new_token_ratio=e.new_token_ratio, retractions=self.retractions, admission_stop=self.admission_stop,
+            cache_miss=dict(self.cache_miss),
             throughput=throughput, finished=self.finished, hit_rate_history=list(self.hit_rate_history),
             throughput_history=list(self.throughput_history), log=self.log[-LOG_KEEP:], log_total=len(self.log),
             has_snapshots=s is not None,

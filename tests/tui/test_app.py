@@ -78,6 +78,8 @@ def test_panels_after_the_first_retract():
             assert app.query_one("#plan").border_subtitle == f"#{sched.forward_ct} in flight, #{sched.forward_ct - 1} processed"
             pool = app.query_one("#pool").plain
             assert f"retracted {sched.observer.num_retracted_reqs}" in pool
+            m = sched.observer.cache_miss_tokens  # the scheduler's counters, the TUI's from the events
+            assert f"miss: new {m['new']} past {m['past_shared']} evicted {m['evicted']} page {m['page_tail']}" in pool
             assert app.query_one("#poolbox").border_title == f"KV pool: {sched.max_total_num_tokens} tokens"
             log_text = "\n".join(panel_texts(app)["log"])
             assert "retract" in log_text and "new_token_ratio" in log_text
