@@ -219,6 +219,7 @@ class ReqRetracted(Event):
 class ReqAborted(Event):
     rid: str = ""
     reason: str = ""
+    by_client: bool = False  # an AbortReq (a client, Engine.abort): `sglite replay --rerun` sends it again
 
 
 @dataclass(frozen=True)

@@ -29,15 +29,36 @@ BUDGET_WORDS = {
 }
 
 
+# the forwards of the batches a request was prefilled in: what its prefill (and the
+# recompute after a retraction) cost in time
+BATCHES: tuple[type[ev.Event], ...] = (ev.BatchPlanned, ev.ForwardFinished)
+BATCHES_KEPT = 1024  # prefill batches whose forward has not been reported yet
+
+
 class RequestHistory:
-    """Subscriber (kinds=LIFECYCLE) keeping the lifecycle events of the last ``keep``
-    requests; the oldest request's history goes first."""
+    """Subscriber (kinds=LIFECYCLE + BATCHES) keeping the lifecycle events of the last
+    ``keep`` requests, and the prefill batches each was in; the oldest request's
+    history goes first."""
 
     def __init__(self, keep: int = 10_000):
         self.keep = keep
         self._by_rid: OrderedDict[str, list[ev.Event]] = OrderedDict()
+        self._batch_rids: OrderedDict[int, list[str]] = OrderedDict()  # bid -> its requests we keep
 
     def __call__(self, event: ev.Event) -> None:
+        if isinstance(event, ev.BatchPlanned):
+            if event.forward_mode != "DECODE":
+                self._batch_rids[event.bid] = rids = [r for r in event.rids if r in self._by_rid]
+                if len(self._batch_rids) > BATCHES_KEPT:
+                    self._batch_rids.popitem(last=False)
+                for r in rids:
+                    self._by_rid[r].append(event)
+            return
+        if isinstance(event, ev.ForwardFinished):
+            for r in self._batch_rids.pop(event.bid, ()):
+                if r in self._by_rid:
+                    self._by_rid[r].append(event)
+            return
         rid = getattr(event, "rid", "")
         if isinstance(event, ev.ReqArrived):
             self._by_rid.pop(rid, None)  # a reused rid: a new request, a new history
@@ -54,14 +75,25 @@ class RequestHistory:
 def explain(events: list[ev.Event], rid: str) -> str:
     """The history of request ``rid`` from ``events`` (any stream; other requests' and
     other kinds are skipped). Raises KeyError when the stream never saw it arrive."""
-    mine = [e for e in events if isinstance(e, LIFECYCLE) and getattr(e, "rid", None) == rid]
+    mine = _events_of(events, rid)
     if not mine:
         raise KeyError(f"no request {rid!r} in this history (an unknown rid, or one older than the history)")
     lines: list[str] = []
     held_rounds: Counter[str] = Counter()
     admitted = False  # a ReqAdmitted while admitted is the next chunk of its prompt
+    planned: dict[int, ev.BatchPlanned] = {}
+    recompute_ms, retracted = 0.0, False
     for i, e in enumerate(mine):
         until = mine[i + 1].iteration if i + 1 < len(mine) else None
+        if isinstance(e, ev.BatchPlanned):
+            planned[e.bid] = e
+            continue
+        if isinstance(e, ev.ForwardFinished):
+            line, share = _forward_line(e, planned.get(e.bid), rid)
+            lines.append(line)
+            recompute_ms += share if retracted else 0.0
+            continue
+        retracted = retracted or isinstance(e, ev.ReqRetracted)
         if isinstance(e, ev.CacheMatched) and not e.reason:
             continue  # a next chunk: its prefix is its own earlier chunks
         if isinstance(e, ev.ReqAdmitted) and admitted:
@@ -73,10 +105,42 @@ def explain(events: list[ev.Event], rid: str) -> str:
     if len(matches) > 1:
         lines.append(f"the radix cache served {sum(e.matched_len for e in matches)} of "
                      f"{sum(e.key_len for e in matches)} tokens over its {len(matches)} admissions")
+    if retracted:
+        lines.append(f"recomputing what its retractions dropped took ~{recompute_ms:.1f} ms of prefill forwards "
+                     "(its rows' share)")
     if held_rounds:
         parts = ", ".join(f"{b} {n}" for b, n in held_rounds.most_common())
         lines.append(f"held {sum(held_rounds.values())} rounds in all, by budget: {parts}")
     return f"{rid}\n" + "\n".join("  " + ln for ln in lines)
+
+
+def _events_of(events: list[ev.Event], rid: str) -> list[ev.Event]:
+    """The request's lifecycle events and the prefill batches it was in (BatchPlanned
+    and the batch's ForwardFinished)."""
+    mine: list[ev.Event] = []
+    bids: set[int] = set()
+    for e in events:
+        if isinstance(e, ev.BatchPlanned):
+            if e.forward_mode != "DECODE" and rid in e.rids:
+                bids.add(e.bid)
+                mine.append(e)
+        elif isinstance(e, ev.ForwardFinished):
+            if e.bid in bids:
+                mine.append(e)
+        elif isinstance(e, LIFECYCLE) and getattr(e, "rid", None) == rid:
+            mine.append(e)
+    return mine
+
+
+def _forward_line(e: ev.ForwardFinished, plan: ev.BatchPlanned | None, rid: str) -> tuple[str, float]:
+    """A prefill forward the request was in, and its rows' share of the time (ms)."""
+    ms = e.duration * 1000
+    if plan is None or rid not in plan.rids or not plan.num_rows:
+        return f"iteration {e.iteration}: forward #{e.bid} ({e.forward_mode}) took {ms:.1f} ms", 0.0
+    rows = plan.extend_lens[plan.rids.index(rid)]
+    share = ms * rows / plan.num_rows
+    return (f"iteration {e.iteration}: forward #{e.bid} ({e.forward_mode}, {plan.num_rows} rows) took {ms:.1f} ms; "
+            f"its {rows} rows ~{share:.1f} ms"), share
 
 
 def _describe(e: ev.Event, until: int | None, held_rounds: Counter[str]) -> str:

@@ -4,8 +4,9 @@
 A recording (``--record``) starts with RecordingStarted (the engine's server arguments,
 with the KV pool size and request limit it resolved) and holds every request's
 ReqArrived: its token ids, its sampling parameters with the seed it drew from, and the
-iteration it arrived in. ``rerun`` builds the same engine (or one with overrides) and
-submits each request just before that iteration: a virtual clock counted in scheduler
+iteration it arrived in, and every client abort (ReqAborted by_client). ``rerun`` builds
+the same engine (or one with overrides) and submits each request (and abort) just
+before that iteration: a virtual clock counted in scheduler
 iterations, not seconds. The scheduler decides from its state alone, so the same
 arguments give the same batches, events and tokens; only timestamps and durations
 differ, and ``first_difference`` ignores those (TIMING_FIELDS)."""
@@ -26,6 +27,7 @@ class Recording(NamedTuple):
     server_args: dict[str, Any]
     events: list[ev.Event]
     arrivals: dict[int, list[ev.ReqArrived]]  # iteration -> the requests that arrived in it
+    aborts: dict[int, list[ev.ReqAborted]]  # iteration -> the client aborts received in it
 
 
 def header_for(engine: Any) -> ev.RecordingStarted:
@@ -53,7 +55,11 @@ def load(path: str) -> Recording:
             arrivals[e.iteration].append(e)
     if not arrivals:
         raise ValueError(f"{path} holds no requests")
-    return Recording(dict(header.server_args), events, dict(arrivals))
+    aborts: dict[int, list[ev.ReqAborted]] = defaultdict(list)
+    for e in events:
+        if isinstance(e, ev.ReqAborted) and e.by_client:
+            aborts[e.iteration].append(e)
+    return Recording(dict(header.server_args), events, dict(arrivals), dict(aborts))
 
 
 def rerun(rec: Recording, overrides: dict[str, Any] | None = None, out_path: str | None = None) -> list[ev.Event]:
@@ -61,6 +67,7 @@ def rerun(rec: Recording, overrides: dict[str, Any] | None = None, out_path: str
     iteration it arrived in; returns the new run's events (also written to
     ``out_path``, itself a recording)."""
     from sglite.engine import Engine
+    from sglite.managers.io_struct import AbortReq
 
     engine = Engine(**{**rec.server_args, **(overrides or {})})
     log = ev.EventLog()
@@ -69,12 +76,15 @@ def rerun(rec: Recording, overrides: dict[str, Any] | None = None, out_path: str
         recorder = ev.EventRecorder(out_path, header_for(engine))
         closers += [engine.event_bus.subscribe(recorder, snapshots=True), recorder.close]
     try:
-        pending = sorted(rec.arrivals)
+        pending = sorted(set(rec.arrivals) | set(rec.aborts))
         while pending or engine.scheduler.has_work():
             upcoming = engine.scheduler.iteration + 1
             while pending and pending[0] <= upcoming:
-                for a in rec.arrivals[pending.pop(0)]:
+                it = pending.pop(0)
+                for a in rec.arrivals.get(it, ()):
                     engine.submit(input_ids=list(a.input_ids), sampling_params=dict(a.sampling_params), rid=a.rid)
+                for x in rec.aborts.get(it, ()):
+                    engine.scheduler.send(AbortReq(x.rid, x.reason))
             engine.step()
     finally:
         engine.shutdown()

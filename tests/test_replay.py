@@ -50,6 +50,27 @@ def test_a_rerun_makes_the_same_events_and_tokens(tmp_path, extra):
     assert {r: s.output for r, s in summarize(events).items()} == {r: s.output for r, s in summarize(rec.events).items()}
 
 
+def test_a_client_abort_is_replayed_in_its_iteration(tmp_path):
+    engine = Engine("tiny-random", log_level="error", **PRESSURE)
+    recorder = ev.EventRecorder(str(tmp_path / "a.jsonl"), header_for(engine))
+    engine.event_bus.subscribe(recorder, snapshots=True)
+    rids = [engine.submit(input_ids=[5 + i] * 30, sampling_params={"max_new_tokens": 30, "ignore_eos": True})
+            for i in range(4)]
+    for _ in range(6):
+        engine.step()
+    engine.abort(rids[1])
+    while engine.scheduler.has_work():
+        engine.step()
+    engine.shutdown()
+    recorder.close()
+    rec = load(str(tmp_path / "a.jsonl"))
+    (abort,) = [e for e in rec.events if isinstance(e, ev.ReqAborted)]
+    assert abort.by_client and abort.rid == rids[1] and abort.iteration == 7
+    events = rerun(rec)
+    assert first_difference(rec.events, events) is None
+    assert summarize(events)[rids[1]].finish == "aborted by user"
+
+
 def test_a_difference_is_found_and_named(tmp_path):
     record(tmp_path / "a.jsonl", **PRESSURE)
     rec = load(str(tmp_path / "a.jsonl"))

@@ -243,10 +243,10 @@ class Scheduler:
     def abort_request(self, abort: AbortReq) -> None:
         for req in self.live_reqs():
             if req.rid == abort.rid:
-                self.abort_now(req, abort.message)
+                self.abort_now(req, abort.message, by_client=True)
                 return
 
-    def abort_now(self, req: Req, message: str, is_error: bool = False) -> None:
+    def abort_now(self, req: Req, message: str, is_error: bool = False, by_client: bool = False) -> None:
         """Finish a request at once and free everything it holds."""
         req.to_abort, req.to_abort_message = True, message
         req.finished_reason = FINISH_ABORT(message, is_error=is_error)
@@ -259,7 +259,7 @@ class Scheduler:
                 self.tree_cache.cache_unfinished_req(req)
         if req.req_pool_idx is not None:
             self.tree_cache.cache_finished_req(req)
-        self.observer.on_req_aborted(req.rid, message)
+        self.observer.on_req_aborted(req.rid, message, by_client)
         self.output_processor.stream_output(req)
 
     def _abort_on_timeouts(self) -> None:

@@ -12,7 +12,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from sglite import events as ev
-from sglite.explain import LIFECYCLE, RequestHistory, explain
+from sglite.explain import BATCHES, LIFECYCLE, RequestHistory, explain
 from sglite.managers.io_struct import ExplainReqOutput
 from sglite.mem_cache.cache_miss import classify
 from sglite.sampling.sampling_params import TOP_K_ALL
@@ -33,7 +33,7 @@ class SchedulerObserver:
         self.event_bus = event_bus
         # every request's arrival, holds, admissions, retractions and finish, for explain()
         self.history = RequestHistory()
-        event_bus.subscribe(self.history, kinds=LIFECYCLE)
+        event_bus.subscribe(self.history, kinds=LIFECYCLE + BATCHES)
         self.num_retracted_reqs = 0
         # computed prompt tokens by why the cache did not serve them (cache_miss.py)
         self.cache_miss_tokens: Counter[str] = Counter()
@@ -94,8 +94,8 @@ class SchedulerObserver:
                             trace_parent=req.trace_parent, input_ids=tuple(req.origin_input_ids),
                             sampling_params={**p.to_dict(), "temperature": temperature, "seed": req.sampling_seed})
 
-    def on_req_aborted(self, rid: str, reason: str) -> None:
-        self.event_bus.emit(ev.ReqAborted, rid=rid, reason=reason)
+    def on_req_aborted(self, rid: str, reason: str, by_client: bool = False) -> None:
+        self.event_bus.emit(ev.ReqAborted, rid=rid, reason=reason, by_client=by_client)
 
     def on_req_chunked(self, req: "Req", computed_len: int) -> None:
         self.event_bus.emit(ev.ReqChunked, rid=req.rid, chunk_index=req.chunk_index - 1, computed_len=computed_len,
@@ -179,7 +179,8 @@ class SchedulerObserver:
 
     def on_batch_planned(self, batch: "ScheduleBatch", worker_batch: "ModelWorkerBatch") -> None:
         self._scheduled = time.monotonic()
-        if self.event_bus.active:
+        # (explain's history takes the prefill batches only: a decode batch every round would cost)
+        if self.event_bus.active or (not batch.forward_mode.is_decode() and self.event_bus.wants(ev.BatchPlanned)):
             self.event_bus.emit(ev.BatchPlanned, bid=worker_batch.bid, forward_mode=batch.forward_mode.name,
                                 rids=tuple(r.rid for r in batch.reqs), seq_lens=tuple(batch.seq_lens),
                                 prefix_lens=tuple(batch.prefix_lens), extend_lens=tuple(batch.extend_lens),
@@ -193,7 +194,7 @@ class SchedulerObserver:
         with its own times, under the iteration that launched it."""
         self._processed_bid = result.bid
         self._resolved = max(result.resolved, self._launched)
-        if self.event_bus.active:
+        if self.event_bus.active or (not batch.forward_mode.is_decode() and self.event_bus.wants(ev.ForwardFinished)):
             for event_cls, ts in ((ev.ForwardStarted, result.forward_started), (ev.ForwardFinished, result.forward_finished)):
                 fields: dict[str, Any] = dict(bid=result.bid, forward_mode=batch.forward_mode.name, ts=ts,
                                               batch_size=batch.batch_size(), num_tokens=batch.extend_num_tokens,
