@@ -129,7 +129,8 @@ def _events_of(events: list[ev.Event], rid: str) -> list[ev.Event]:
                 mine.append(e)
         elif isinstance(e, LIFECYCLE) and getattr(e, "rid", None) == rid:
             mine.append(e)
-    return mine
+    # in iteration order: the overlap loop reports a forward one iteration after it launched
+    return sorted(mine, key=lambda e: e.iteration)
 
 
 def _forward_line(e: ev.ForwardFinished, plan: ev.BatchPlanned | None, rid: str) -> tuple[str, float]:
