@@ -35,6 +35,9 @@ SLOW_PANELS_INTERVAL = 0.15
 DECAY_REDRAW = THROUGHPUT_WINDOW / 4  # live, once no iteration ran for this long, tok/s is redrawn as it falls
 
 
+MISS_LINE_MIN_HEIGHT = 30  # terminal rows from which the KV pool panel shows its miss line
+
+
 class LiveFeed:
     """Messages from the engine host, folded into Views; the screen draws the latest."""
 
@@ -239,7 +242,8 @@ class SchedulerApp(App):
         elif self._slow_stale and monotonic() - self._slow_drawn >= SLOW_PANELS_INTERVAL:
             self._render_slow_panels(self.last_view)
         elif self.last_view is not None and monotonic() - self._pool_drawn >= DECAY_REDRAW:
-            self._render_pool(self.last_view)  # tok/s falls while nothing runs
+            if self.query("#pool"):  # (none while the app closes: a last tick may come after its panels went)
+                self._render_pool(self.last_view)  # tok/s falls while nothing runs
 
     def show_index(self, i: int) -> None:
         if self.views:
@@ -346,17 +350,17 @@ class SchedulerApp(App):
         pool.set_lines([bar] + [Text(line) for line in (
             f"used {used} free {v.pool_free}", f"cached {v.pool_evictable} usage {v.token_usage:.2f}",
             f"hit {v.cache_hit_rate:.2f} retracted {v.retractions}", f"new_token_ratio {v.new_token_ratio:.3f}",
-            f"admit: {stop}", f"{self._throughput(v):.1f} tok/s")] + self._miss_line(v, box.size.height - 4))
+            f"admit: {stop}", f"{self._throughput(v):.1f} tok/s")] + self._miss_line(v, self.size.height))
         self.query_one("#hit", TextSparkline).show(v.hit_rate_history, top=1.0)
         self.query_one("#tput", TextSparkline).show(v.throughput_history)
 
     @staticmethod
-    def _miss_line(v: View, height: int) -> list[Text]:
+    def _miss_line(v: View, terminal_height: int) -> list[Text]:
         """Prompt tokens computed, by why the cache missed them (docs/why.md): a line
-        when the panel has room for it (``height``: inside the border, less the two
-        sparklines; not at 80x24)."""
+        in a terminal tall enough that the pool panel has room for it (not 80x24). The
+        terminal's height, not the panel's: that is known before the first layout."""
         m = v.cache_miss
-        if height < 8 or not m:
+        if terminal_height < MISS_LINE_MIN_HEIGHT or not m:
             return []
         return [Text(f"miss: new {m['new']} past {m['past']} evicted {m['evicted']} page {m['page']}")]
 
