@@ -69,7 +69,7 @@ PANELS = [
      "PrefillAdder, AddReqResult"),
     ("  miss: ...", "prompt tokens computed so far, by why the radix cache did not serve them: new (nothing "
                     "cached starts like it), past (beyond the part the cache shares), evicted (LRU took them), "
-                    "page (a last partial page); shown when the panel has room (docs/why.md)",
+                    "page (a last partial page); shown in a terminal of 30 rows or more (docs/why.md)",
      "CacheMatched, RadixCache.evict"),
     ("  tok/s", "output tokens a second over the last 2 s (0 when nothing runs); the sparklines: hit rate "
                 "and tok/s per iteration", "gen_throughput"),
