@@ -1,7 +1,8 @@
 """A request's history in words and numbers, read from the event stream: when it
 arrived, which budget held it in the waiting_queue and for how many rounds, when it was
-admitted (cache hit, chunking), retracted and finished. ``Engine.explain(rid)`` reads
-the events its RequestHistory kept; ``explain`` also reads a recording (``--record``).
+admitted (cache hit, chunking), retracted and finished. ``Engine.explain(rid)`` and a
+server's ``/explain`` read the events the scheduler's RequestHistory kept
+(SchedulerObserver.history); ``explain`` also reads a recording (``--record``).
 docs/why.md lists every budget a request can wait on."""
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class RequestHistory:
 
 def explain(events: list[ev.Event], rid: str) -> str:
     """The history of request ``rid`` from ``events`` (any stream; other requests' and
-    other kinds are skipped). Raises KeyError when the stream never saw it arrive."""
+    other kinds are skipped). Raises KeyError when the stream holds nothing of it."""
     mine = _events_of(events, rid)
     if not mine:
         raise KeyError(f"no request {rid!r} in this history (an unknown rid, or one older than the history)")

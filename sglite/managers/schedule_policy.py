@@ -137,6 +137,11 @@ class Hold(NamedTuple):
     detail: str = ""  # the numbers behind need and have, in words
 
 
+# a request passed over for in-batch prefix caching (SchedulePolicy.temporary_deprioritized)
+PREFIX_WAIT = Hold("in_batch_prefix", detail="shares a prefix with a request admitted this round: "
+                                             "waits one round to hit its cache")
+
+
 class PrefillAdder:
     """Admits waiting requests into one prefill batch under three budgets:
     rem_total_tokens (KV pool minus what running requests will still need),
@@ -294,25 +299,22 @@ def holds_of_round(waiting: list["Req"], stop: str, stopped_at: "Req | None", ad
         first = adder.hold
     elif adder is not None and stop in ("NO_TOKEN", "OTHER"):
         first = _spent_budget(adder)
-    else:
-        return _passed_over(waiting, adder)  # the queue ran out: only in-batch-prefix waits
+    else:  # the queue ran out: only in-batch-prefix waits
+        return [(r, PREFIX_WAIT) for r in waiting if adder is not None and r.rid in adder.deprioritized]
     past_stop = stopped_at is None  # stopped before offering any: every request held by `first`
+    # behind a refused request: one Hold for them all (this runs every round, over the whole queue)
+    behind = Hold("not_reached", detail=f"admission stopped at {stopped_at.rid} ({first.budget})") if (
+        refused and stopped_at is not None) else first
     holds: list[tuple["Req", Hold]] = []
     for req in waiting:
         if req is stopped_at:
             past_stop = True
             holds.append((req, first))
         elif past_stop:
-            holds.append((req, Hold("not_reached", detail=f"admission stopped at {stopped_at.rid} ({first.budget})")
-                          if refused and stopped_at is not None else first))
+            holds.append((req, behind))
         elif adder is not None and req.rid in adder.deprioritized:
-            holds += _passed_over([req], adder)
+            holds.append((req, PREFIX_WAIT))
     return holds
-
-
-def _passed_over(waiting: list["Req"], adder: "PrefillAdder | None") -> list[tuple["Req", Hold]]:
-    return [(r, Hold("in_batch_prefix", detail="shares a prefix with a request admitted this round: "
-                     "waits one round to hit its cache")) for r in waiting if adder and r.rid in adder.deprioritized]
 
 
 def _spent_budget(adder: "PrefillAdder") -> Hold:

@@ -203,10 +203,11 @@ class Scheduler:
             else:
                 self.handle_generate_request(item)
 
-    def flush_cache(self) -> FlushCacheReqOutput:
+    def flush_cache(self, force: bool = False) -> FlushCacheReqOutput:
         """Empty the radix cache and give every KV slot back; only when nothing runs
-        (SGLang refuses too: running requests hold tree nodes)."""
-        if self.live_reqs() or self.result_queue:
+        (SGLang refuses too: running requests hold tree nodes). ``force``: a failed
+        round's recovery, which has just taken every slot back from its requests."""
+        if not force and (self.live_reqs() or self.result_queue):
             return FlushCacheReqOutput(False, "cannot flush the cache while requests run")
         self.tree_cache.reset()
         self.req_to_token_pool.clear()

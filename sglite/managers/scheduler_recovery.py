@@ -74,9 +74,7 @@ class SchedulerRecovery:
             req.retract_kept_tokens = 0  # the cache is emptied below
         s.chunked_req = None
         s.running_batch = s.make_batch([])
-        s.tree_cache.reset()
-        s.req_to_token_pool.clear()
-        s.token_to_kv_pool_allocator.clear()
+        s.flush_cache(force=True)
         on_trial = set(map(id, suspects))
         s.waiting_queue = suspects + [r for r in held + s.waiting_queue if id(r) not in on_trial]
         self.on_trial += [(r, len(r.output_ids) + TRIAL_TOKENS) for r in suspects]

@@ -250,7 +250,8 @@ def test_metrics_parse_and_count_what_was_served(server):
                  "sglang:time_to_first_token_seconds_count", "sglang:e2e_request_latency_seconds_count",
                  "sglang:inter_token_latency_seconds_count", "sglang:prompt_tokens_total"):
         assert name in after, name
-    assert after["sglang:e2e_request_latency_seconds_count"] - before["sglang:e2e_request_latency_seconds_count"] == 4
+    # a histogram's _count: how many requests it observed (one per request), not a time
+    assert after["sglang:e2e_request_latency_seconds_count"] - before["sglang:e2e_request_latency_seconds_count"] == len(PROMPTS)
 
 
 def test_a_model_that_fails_to_load_is_one_line_and_no_server(tmp_path):
