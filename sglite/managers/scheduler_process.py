@@ -17,7 +17,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from sglite import events as ev
+from sglite.managers.detokenizer_manager import DetokenizerManager
 from sglite.managers.io_struct import (BatchTokenIDOut, DebugControlReq, DebugControlReqOutput, ExplainReq,
                                       FlushCacheReqInput, GetInternalStateReq)
 from sglite.server_args import PortArgs, ServerArgs
@@ -95,7 +95,12 @@ class SchedulerProcessLoop:
         self.to_tokenizer = ctx.socket(zmq.PUSH)
         self.to_tokenizer.connect(port_args.tokenizer_ipc_name)
         self.outputs: list[BatchTokenIDOut] = []
-        scheduler.send_to_detokenizer = self.outputs.append
+        # TokensEmitted for this process's viewers (the TUI attached, tracing's per-token
+        # events, a recording): the DetokenizerManager that emits it runs in another
+        # process, so one here makes the events' text, as offline and at the same point
+        # of the iteration (a recording made by a server reruns offline event for event)
+        self.event_detokenizer = DetokenizerManager(scheduler.tokenizer, scheduler.event_bus)
+        scheduler.send_to_detokenizer = self._to_detokenizer
         scheduler.send_to_tokenizer = self.to_tokenizer.send_pyobj
         self.metrics = SchedulerMetricsCollector(metrics_labels) if metrics_labels is not None else None
         self.publisher = EventPublisher(ctx, port_args.events_ipc_name, scheduler)
@@ -115,7 +120,6 @@ class SchedulerProcessLoop:
             next(loop)
             self.steps = max(0, self.steps - 1)
             if self.outputs:
-                self._emit_tokens(self.outputs)
                 self.to_detokenizer.send_pyobj(list(self.outputs))
                 self.outputs.clear()
             idle = not self.scheduler.has_work()
@@ -123,18 +127,14 @@ class SchedulerProcessLoop:
                 self.metrics.update(self.scheduler, force=idle)  # an idle server reports 0 running
             self.publisher.ship(force=idle or self.paused)
 
-    def _emit_tokens(self, outputs: list[BatchTokenIDOut]) -> None:
-        """TokensEmitted for this process's viewers (the TUI attached, tracing's per-token
-        events, a recording): offline the DetokenizerManager emits it, here it runs in
-        another process. The text is this round's tokens decoded on their own (a
-        character split across rounds may show as two halves)."""
-        bus, tok = self.scheduler.event_bus, self.scheduler.tokenizer
-        if not bus.active:
-            return
-        for out in outputs:
-            if out.new_token_ids:
-                text = tok.decode(out.new_token_ids, skip_special_tokens=out.skip_special_tokens) if tok else ""
-                bus.emit(ev.TokensEmitted, rid=out.rid, token_ids=tuple(out.new_token_ids), text=text)
+    def _to_detokenizer(self, out: BatchTokenIDOut) -> None:
+        """One request's output: kept for this iteration's message to the detokenizer
+        process; its TokensEmitted emitted now while anyone listens."""
+        self.outputs.append(out)
+        if self.scheduler.event_bus.active:
+            self.event_detokenizer.handle_batch_token_id_out(out)
+        elif self.event_detokenizer.decode_status:
+            self.event_detokenizer.decode_status.clear()  # nobody listens: keep no text for them
 
     def receive(self, block: bool) -> None:
         """Move what arrived into the scheduler's queue (its recv_requests takes it at the

@@ -312,3 +312,37 @@ def test_bench_serving_loads_every_backend_and_counts_the_tokens(server, backend
     assert [r.output_len for r in results] == [r.output_len for r in reqs]  # ignore_eos: exactly the length
     assert all(r.ttft > 0 and r.e2e >= r.ttft and len(r.itl) >= 1 for r in results)
     assert "Serving Benchmark Result" in report(summary, backend)
+
+
+def test_a_served_recording_reruns_offline_event_for_event(tmp_path):
+    """A server's --record holds what an offline rerun needs (docs/why.md): the same
+    batches, events (TokensEmitted and its text included) and tokens, under retraction
+    and chunking, with requests arriving over many iterations."""
+    from sglite import events as ev
+    from sglite.replay import first_difference, load, rerun, summarize
+
+    path = tmp_path / "served.jsonl"
+    srv = Server("--record", str(path), "--max-total-tokens", "300", "--chunked-prefill-size", "32",
+                 "--schedule-conservativeness", "0.05")
+    try:
+        def run(i: int) -> str:
+            body = {"text": f"{PROMPTS[i % 4]} " * (1 + i % 5) + str(i), "sampling_params": {
+                "max_new_tokens": 24, "temperature": 0.0 if i % 2 else 0.7, "ignore_eos": True}}
+            r = httpx.post(f"{srv.url}/generate", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["text"]
+
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            served = list(pool.map(run, range(12)))
+    finally:
+        srv.stop()
+    rec = load(str(path))
+    assert len(rec.arrivals) > 1 and any(isinstance(e, ev.ReqRetracted) for e in rec.events)
+    again = rerun(rec)
+    assert first_difference(rec.events, again) is None
+    texts = {e.rid: "" for e in again if isinstance(e, ev.ReqArrived)}
+    for e in again:
+        if isinstance(e, ev.TokensEmitted):
+            texts[e.rid] += e.text
+    assert sorted(texts.values()) == sorted(served)
+    assert all(len(r.output) == 24 for r in summarize(again).values())
