@@ -64,13 +64,14 @@ def load(path: str) -> Recording:
 
 def rerun(rec: Recording, overrides: dict[str, Any] | None = None, out_path: str | None = None) -> list[ev.Event]:
     """Run the recording's requests again on a fresh engine, each submitted before the
-    iteration it arrived in; returns the new run's events (also written to
-    ``out_path``, itself a recording)."""
+    iteration it arrived in; returns the new run's events, RecordingStarted first (also
+    written to ``out_path``, itself a recording)."""
     from sglite.engine import Engine
     from sglite.managers.io_struct import AbortReq
 
     engine = Engine(**{**rec.server_args, **(overrides or {})})
     log = ev.EventLog()
+    log(header_for(engine))  # the events start as the recording does
     closers = [engine.event_bus.subscribe(log, snapshots=True)]
     if out_path:
         recorder = ev.EventRecorder(out_path, header_for(engine))

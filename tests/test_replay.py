@@ -122,8 +122,11 @@ def test_cli_rerun_and_diff(tmp_path):
 
 
 @pytest.mark.real_model
-def test_a_rerun_on_smollm2_is_bit_for_bit(tmp_path):
-    record(tmp_path / "a.jsonl", model="smollm2-135m", n=16, **PRESSURE)
+@pytest.mark.parametrize("extra", [{}, {"disable_overlap_schedule": True, "enable_mixed_chunk": True}])
+def test_a_rerun_on_smollm2_is_bit_for_bit(tmp_path, extra):
+    record(tmp_path / "a.jsonl", model="smollm2-135m", n=16, **PRESSURE, **extra)
     rec = load(str(tmp_path / "a.jsonl"))
     assert any(isinstance(e, ev.ReqChunked) for e in rec.events) and any(isinstance(e, ev.ReqRetracted) for e in rec.events)
+    modes = {e.forward_mode for e in rec.events if isinstance(e, ev.BatchPlanned)}
+    assert ("MIXED" in modes) == bool(extra.get("enable_mixed_chunk"))
     assert first_difference(rec.events, rerun(rec)) is None

@@ -23,7 +23,7 @@ from sglite.server_args import SCHEDULE_POLICIES
 from tui.help import HelpScreen
 from tui.host import HostState
 from tui.state import ADMISSION_WORDS, LOG_KEEP, THROUGHPUT_WINDOW, ReqInfo, View, ViewBuilder
-from tui.widgets import RadixTreeView, RowTable, TextLines, TextSparkline, TitleBar
+from tui.widgets import RadixTreeView, RowTable, TextSparkline, TitleBar, WidthLines
 from tui.workloads import BUILTIN, load
 
 UI_INTERVAL = 0.02  # seconds between looks for a new view (the host ships one at most every tui.host.SHIP_INTERVAL)
@@ -36,6 +36,23 @@ DECAY_REDRAW = THROUGHPUT_WINDOW / 4  # live, once no iteration ran for this lon
 
 
 MISS_LINE_MIN_HEIGHT = 30  # terminal rows from which the KV pool panel shows its miss line
+
+
+def pool_lines(v: View, width: int, throughput: float) -> list[Text]:
+    """The KV pool panel's lines for a panel ``width`` cells wide: the bar (█ held by
+    requests, ▒ cached and evictable, · free), then the counts."""
+    used = v.pool_total - v.pool_free - v.pool_evictable
+    bar_width = max(10, min(40, width - 1))
+    bar_used = round(bar_width * used / max(v.pool_total, 1))
+    bar_cache = round(bar_width * v.pool_evictable / max(v.pool_total, 1))
+    bar = Text.assemble(("█" * bar_used, "red"), ("▒" * bar_cache, "yellow"), "·" * (bar_width - bar_used - bar_cache))
+    stop = ADMISSION_WORDS.get(v.admission_stop, v.admission_stop) if v.admission_stop else "-"
+    if v.admission_stop and width >= 36:
+        stop += f" ({v.admission_stop})"
+    return [bar] + [Text(line) for line in (
+        f"used {used} free {v.pool_free}", f"cached {v.pool_evictable} usage {v.token_usage:.2f}",
+        f"hit {v.cache_hit_rate:.2f} retracted {v.retractions}", f"new_token_ratio {v.new_token_ratio:.3f}",
+        f"admit: {stop}", f"{throughput:.1f} tok/s")]
 
 
 class LiveFeed:
@@ -195,7 +212,7 @@ class SchedulerApp(App):
             yield RowTable(("rid", "seq", "out/max"), id="running")
             yield RowTable(("rid", "pre", "ext", "seq", "loc"), id="plan")
             with Vertical(id="poolbox"):
-                yield TextLines(id="pool")
+                yield WidthLines(id="pool")
                 with Horizontal(classes="spark"):
                     yield Static("hit")
                     yield TextSparkline(id="hit")
@@ -330,27 +347,17 @@ class SchedulerApp(App):
 
     def _render_pool(self, v: View) -> None:
         self._pool_drawn = monotonic()
-        pool = self.query_one("#pool", TextLines)
+        pool = self.query_one("#pool", WidthLines)
         if not v.has_snapshots:
-            pool.set_lines([Text("this recording has no scheduler snapshots:"),
-                            Text("record with --record to see the queues, the pool and the tree")])
+            pool.show(lambda width: [Text("this recording has no scheduler snapshots:"),
+                                     Text("record with --record to see the queues, the pool and the tree")])
             return
-        used = v.pool_total - v.pool_free - v.pool_evictable
-        width = max(10, min(40, pool.size.width - 1))
-        bar_used = round(width * used / max(v.pool_total, 1))
-        bar_cache = round(width * v.pool_evictable / max(v.pool_total, 1))
-        bar = Text.assemble(("█" * bar_used, "red"), ("▒" * bar_cache, "yellow"), "·" * (width - bar_used - bar_cache))
         title = f"KV pool: {v.pool_total} tokens"
         box = self.query_one("#poolbox")
         if box.border_title != title:  # setting it repaints the whole panel
             box.border_title = title
-        stop = ADMISSION_WORDS.get(v.admission_stop, v.admission_stop) if v.admission_stop else "-"
-        if v.admission_stop and pool.size.width >= 36:
-            stop += f" ({v.admission_stop})"
-        pool.set_lines([bar] + [Text(line) for line in (
-            f"used {used} free {v.pool_free}", f"cached {v.pool_evictable} usage {v.token_usage:.2f}",
-            f"hit {v.cache_hit_rate:.2f} retracted {v.retractions}", f"new_token_ratio {v.new_token_ratio:.3f}",
-            f"admit: {stop}", f"{self._throughput(v):.1f} tok/s")] + self._miss_line(v, self.size.height))
+        throughput, miss = self._throughput(v), self._miss_line(v, self.size.height)
+        pool.show(lambda width: pool_lines(v, width, throughput) + miss)
         self.query_one("#hit", TextSparkline).show(v.hit_rate_history, top=1.0)
         self.query_one("#tput", TextSparkline).show(v.throughput_history)
 

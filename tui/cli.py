@@ -20,6 +20,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replay", metavar="RECORDING", default=None,
                    help="show a recording made with --record instead of running the engine "
                         "(n/→ next iteration, b/← back, space play)")
+    p.add_argument("--compare", metavar="RECORDING", default=None,
+                   help="with --replay A: show recording B beside A, both stepped by iteration; f jumps to the "
+                        "next iteration where their schedulers decided differently (docs/why.md)")
     add_engine_arguments(p)
     p.set_defaults(func=_run)
 
@@ -37,8 +40,10 @@ def check_terminal() -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.compare and not args.replay:
+        raise ValueError("--compare B needs --replay A: it shows two recordings side by side")
     if args.replay:
-        return _replay(args.replay)
+        return _replay(args.replay, args.compare)
     if args.attach:
         return _attach(args.attach)
     import dataclasses
@@ -94,16 +99,14 @@ def _attach(url: str) -> int:
     return 0
 
 
-def _replay(path: str) -> int:
+def _load_recording(path: str) -> list | None:
+    """A recording's events, or None after saying in one line why it cannot be read."""
     from sglite.events import load_events
-    from tui.app import SchedulerApp
-    from tui.state import build_views
 
     try:
-        events = list(load_events(path))
+        return list(load_events(path))
     except OSError as e:
         print(f"error: cannot read {path}: {e.strerror}", file=sys.stderr)
-        return 1
     except (ValueError, KeyError, TypeError) as e:
         if isinstance(e, json.JSONDecodeError):
             msg = e.msg
@@ -112,11 +115,36 @@ def _replay(path: str) -> int:
         else:
             msg = str(e)
         print(f"error: {path} is not an sglite recording (--record writes one): {msg}", file=sys.stderr)
+    return None
+
+
+def _replay(path: str, compare: str | None = None) -> int:
+    from tui.app import SchedulerApp
+    from tui.state import build_views
+
+    events = _load_recording(path)
+    other = _load_recording(compare) if compare and events is not None else None
+    if events is None or (compare and other is None):
         return 1
+    if compare:
+        return _compare(path, events, compare, other)
     views, builder = build_views(events)
     if not views:
         print(f"error: {path} holds no scheduler iterations", file=sys.stderr)
         return 1
     check_terminal()
     SchedulerApp(views=views, builder=builder, title=f"replay {path}").run()
+    return 0
+
+
+def _compare(path_a: str, events_a: list, path_b: str, events_b: list) -> int:
+    from tui.compare import CompareApp, Run
+
+    runs = [Run.of(f"{side} {p}", events) for side, p, events in (("A", path_a, events_a), ("B", path_b, events_b))]
+    for run, p in zip(runs, (path_a, path_b)):
+        if not run.views:
+            print(f"error: {p} holds no scheduler iterations", file=sys.stderr)
+            return 1
+    check_terminal()
+    CompareApp(*runs).run()
     return 0

@@ -91,8 +91,12 @@ PANELS = [
 ]
 
 
-def help_text(bindings: Sequence[Binding], replay: bool) -> Group:
-    """The help as Rich tables: term | what it means [SGLang's name]."""
+Section = tuple[str, list[tuple[str, str, str]]]
+
+
+def help_text(bindings: Sequence[Binding], replay: bool, sections: Sequence[Section] = ()) -> Group:
+    """The help as Rich tables: term | what it means [SGLang's name]; ``sections``
+    first (a screen built on the main one explains its own terms)."""
     parts: list[Any] = []
 
     def section(title: str, rows: list[tuple[str, str, str]]) -> None:
@@ -104,6 +108,8 @@ def help_text(bindings: Sequence[Binding], replay: bool) -> Group:
             table.add_row(term, Text(what).append(f"  [{name}]" if name else "", style="dim"))
         parts.extend([table, Text("")])
 
+    for title, rows in sections:
+        section(title, rows)
     section("Top line", TOP_LINE)
     section("Panels and columns", PANELS)
     keys = []
@@ -130,6 +136,9 @@ KEY_WORDS = {
     "select_next": "select the next request (its rows are highlighted)",
     "detail": "the selected request: its state, its stages with their iterations, its text",
     "toggle_tree_text": "radix tree nodes as text or as token ids",
+    "next_difference": "the next iteration where the two runs' batch, queues or holds differ",
+    "previous_difference": "the previous iteration where the two runs differ",
+    "toggle_requests": "the bottom panel: what differs at this iteration, or per request over the whole runs",
 }
 
 
@@ -142,9 +151,9 @@ class HelpScreen(ModalScreen):
     #help { width: 96%; height: 94%; border: round $accent; background: $surface; padding: 0 1; }
     """
 
-    def __init__(self, bindings: Sequence[Binding], replay: bool = False):
+    def __init__(self, bindings: Sequence[Binding], replay: bool = False, sections: Sequence[Section] = ()):
         super().__init__()
-        self.text = help_text(bindings, replay)
+        self.text = help_text(bindings, replay, sections)
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="help"):

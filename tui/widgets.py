@@ -5,7 +5,7 @@ rendering and layout passes were most of what a frame cost (docs/tui.md, Cost)."
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from rich.text import Text
 from textual.geometry import Region, Size
@@ -90,6 +90,24 @@ class TextLines(Widget):
         return strip
 
 
+class WidthLines(TextLines):
+    """Lines drawn for the panel's width (a bar, words that fit): ``show(draw)`` draws
+    them now and again whenever the panel's size changes (the first frames of a busy
+    machine draw before the layout has given the panel its width)."""
+
+    def __init__(self, id: str | None = None) -> None:  # noqa: A002
+        super().__init__(id=id)
+        self.draw: Callable[[int], list[Text]] | None = None
+
+    def show(self, draw: Callable[[int], list[Text]]) -> None:
+        self.draw = draw
+        self.set_lines(draw(self.size.width))
+
+    def on_resize(self) -> None:
+        if self.draw is not None:
+            self.set_lines(self.draw(self.size.width))
+
+
 class TextSparkline(TextLines):
     """A one-line bar chart of the last values that fit, newest on the right. (Textual's
     Sparkline blends a colour for every cell and re-rendered both charts every frame:
@@ -144,6 +162,7 @@ class RowTable(TextLines):
         self._titles: tuple[str, str] | None = None
         self._borders_only = False
         self.notes: tuple[str, ...] = ()
+        self.marked: frozenset[str] = frozenset()
 
     def set_border_titles(self, title: str, subtitle: str) -> None:
         """Set the border's title and sub-title, repainting only the border's two lines
@@ -165,14 +184,17 @@ class RowTable(TextLines):
             regions = (Region(-off.x, -off.y, outer.width, 1), Region(-off.x, outer.height - 1 - off.y, outer.width, 1))
         return super().refresh(*regions, **kwargs)
 
-    def show(self, rows: list[tuple], selected: str | None = None, notes: Sequence[str] = ()) -> None:
-        """``notes``: lines above the header (requests arriving at the waiting_queue)."""
+    def show(self, rows: list[tuple], selected: str | None = None, notes: Sequence[str] = (),
+             marked: frozenset[str] = frozenset()) -> None:
+        """``notes``: lines above the header (requests arriving at the waiting_queue);
+        ``marked``: rids whose rows are drawn in bold yellow (two runs compared: the
+        rows the other run does not have)."""
         rows = [tuple(str(c) for c in r) for r in rows]
         height = max(2, self.size.height)
-        key = (rows, selected, height, tuple(notes))
+        key = (rows, selected, height, tuple(notes), marked)
         if key == self._key:
             return
-        self._key, self.rows, self.selected, self.notes = key, rows, selected, tuple(notes)
+        self._key, self.rows, self.selected, self.notes, self.marked = key, rows, selected, tuple(notes), marked
         cells = [(short_rid(r[0]),) + r[1:] for r in rows]  # (a server's rids are uuids)
         for r in cells:
             self._widths = [max(w, len(c)) for w, c in zip(self._widths, r)]
@@ -184,7 +206,8 @@ class RowTable(TextLines):
             return " ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(cells, self._widths)))
 
         lines = [Text(n, style="italic") for n in notes] + [Text(line(self.columns), style="bold")]
-        lines += [Text(line(c), style="reverse" if r[0] == selected else "") for r, c in zip(shown, cells)]
+        lines += [Text(line(c), style="reverse" if r[0] == selected else "bold yellow" if r[0] in marked else "")
+                  for r, c in zip(shown, cells)]
         if len(shown) < len(rows):
             lines.append(Text(f"+{len(rows) - len(shown)} more", style="dim"))
         self.set_lines(lines)
@@ -192,7 +215,7 @@ class RowTable(TextLines):
     def on_resize(self) -> None:
         if self._key is not None:
             self._key = None
-            self.show(self.rows, self.selected, self.notes)
+            self.show(self.rows, self.selected, self.notes, self.marked)
 
     def on_click(self, event: Any) -> None:
         offset = event.get_content_offset(self)
