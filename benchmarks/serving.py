@@ -60,7 +60,9 @@ class Server:
     def run(self, reqs: list[Request], concurrency: int) -> float:
         import httpx
 
-        httpx.post(f"{self.url}/flush_cache", timeout=60)
+        r = httpx.post(f"{self.url}/flush_cache", timeout=60)
+        if r.status_code != 200:  # each run starts from an empty cache, as the offline one
+            raise SystemExit(f"error: the server did not flush its cache: {r.text}")
         results, duration = asyncio.run(run_load(self.url, "sglite", reqs, "", float("inf"), concurrency))
         summary = summarize(results, duration)
         if summary["failed_requests"]:
@@ -81,7 +83,9 @@ def offline(engine_cache: dict, model: str, reqs: list[Request], concurrency: in
         engine_cache.clear()
         engine_cache[concurrency] = Engine(model, max_running_requests=concurrency, log_level="error")
     engine = engine_cache[concurrency]
-    engine.scheduler.flush_cache()
+    flushed = engine.scheduler.flush_cache()
+    if not flushed.success:  # (it once failed quietly here, and every offline run after the first ran warm)
+        raise SystemExit(f"error: the offline engine did not flush its cache: {flushed.message}")
     params = [{"max_new_tokens": r.output_len, "temperature": 0, "ignore_eos": True} for r in reqs]
     start = time.perf_counter()
     out = engine.generate(input_ids=[r.prompt for r in reqs], sampling_params=params)

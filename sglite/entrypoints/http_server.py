@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import json
 import re
+import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -30,6 +31,7 @@ from sglite.managers.io_struct import DebugControlReq, ExplainReq, FlushCacheReq
 from sglite.managers.tokenizer_manager import RequestError, ServerReqState, ServerTokenizerManager
 from sglite.server_args import ServerArgs
 
+MAX_BATCH = 1024  # requests in one /generate batch
 DISCONNECT_POLL = 0.5  # seconds between checks that a waiting non-streamed client is still there
 
 
@@ -43,6 +45,7 @@ class ServerInfo:
     http_spans: Any = None  # the tracing plugin's HttpSpans: one SERVER span per generation request
     events_address: str = ""  # the scheduler's event stream (ZMQ), for /debug/events
     debug_control: bool = False  # /debug/control may pause and step the scheduler
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))  # /v1/models' "created": the start
 
 
 TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
@@ -177,22 +180,63 @@ def _native_routes(app: FastAPI, manager: ServerTokenizerManager, info: ServerIn
 
 
 async def _generate(request: Request, manager: ServerTokenizerManager, trace_parent: str) -> Response:
-    """SGLang's /generate: {"text" | "input_ids", "sampling_params", "rid", "stream"}."""
+    """SGLang's /generate: {"text" | "input_ids", "sampling_params", "rid", "stream"}; a
+    list of texts (or of token-id lists) is a batch: one result each, in order (streamed:
+    each event carries its request's "index")."""
     body = await _json(request)
     unknown = set(body) - {"text", "input_ids", "sampling_params", "rid", "stream"}
     if unknown:
         raise RequestError(f"unknown field(s): {', '.join(sorted(unknown))}")
-    rid = body.get("rid") or uuid.uuid4().hex
-    if not isinstance(rid, str):
-        raise RequestError("rid must be a string")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError("stream must be true or false")
-    req = manager.check(rid, prompt=body.get("text"), input_ids=body.get("input_ids"),
-                        sampling_params=body.get("sampling_params"), stream=stream, trace_parent=trace_parent)
+    batch = _is_batch(body)
+    reqs = []
+    for i, (rid, text, ids, params) in enumerate(_batch_items(body)):
+        try:  # (nothing is sent before every request of a batch passed)
+            reqs.append(manager.check(rid, prompt=text, input_ids=ids, sampling_params=params, stream=stream,
+                                      trace_parent=trace_parent))
+        except RequestError as e:
+            raise RequestError(f"request {i} of the batch: {e}" if batch else str(e)) from None
     if stream:
-        return StreamingResponse(_native_stream(manager, req), media_type="text/event-stream")
-    return JSONResponse(_native_result(await _collect(manager, req, request)))
+        events = _native_batch_stream(manager, reqs) if batch else _native_stream(manager, reqs[0])
+        return StreamingResponse(events, media_type="text/event-stream")
+    states = await asyncio.gather(*(_collect(manager, r, request) for r in reqs))
+    results = [_native_result(s) for s in states]
+    return JSONResponse(results if batch else results[0])
+
+
+def _is_batch(body: dict[str, Any]) -> bool:
+    """A list of texts, or a list of token-id lists (SGLang's batch form)."""
+    ids = body.get("input_ids")
+    return isinstance(body.get("text"), list) or (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list))
+
+
+def _batch_items(body: dict[str, Any]) -> list[tuple[str, Any, Any, Any]]:
+    """(rid, text, input_ids, sampling_params) of each request the body asks for. In a
+    batch, ``sampling_params`` is one dict for all or a list of one each, and ``rid``
+    (optional) a list of one each."""
+    rid, params = body.get("rid"), body.get("sampling_params")
+    if not _is_batch(body):
+        rid = rid or uuid.uuid4().hex
+        if not isinstance(rid, str):
+            raise RequestError("rid must be a string")
+        return [(rid, body.get("text"), body.get("input_ids"), params)]
+    field = "text" if body.get("text") is not None else "input_ids"
+    prompts = body[field]
+    n = len(prompts)
+    if not n or n > MAX_BATCH:
+        raise RequestError(f"a batch holds 1 to {MAX_BATCH} requests, got {n}")
+    rids = [uuid.uuid4().hex for _ in range(n)] if rid is None else rid
+    if not isinstance(rids, list) or len(rids) != n or not all(isinstance(r, str) for r in rids):
+        raise RequestError(f"rid must be a list of {n} strings for a batch of {n}")
+    if len(set(rids)) != n:
+        raise RequestError("the rids of a batch must differ")
+    if isinstance(params, list) and len(params) != n:
+        raise RequestError(f"sampling_params must be one dict, or a list of {n}, for a batch of {n}")
+    each = params if isinstance(params, list) else [params] * n
+    return [(r, p if field == "text" else None, p if field == "input_ids" else None, sp)
+            for r, p, sp in zip(rids, prompts, each)]
 
 
 def _native_result(state: ServerReqState) -> dict[str, Any]:
@@ -208,6 +252,37 @@ async def _native_stream(manager: ServerTokenizerManager, req: Any) -> AsyncIter
     async for state in manager.generate_request(req):
         yield f"data: {json.dumps(_native_result(state))}\n\n".encode()
     yield b"data: [DONE]\n\n"
+
+
+async def _native_batch_stream(manager: ServerTokenizerManager, reqs: list[Any]) -> AsyncIterator[bytes]:
+    """A batch: each request's cumulative result as it comes, with its "index", then [DONE]."""
+    async with contextlib.aclosing(_merge(manager, reqs, lambda i, s: _native_result(s) | {"index": i})) as events:
+        async for _, event, _ in events:
+            yield f"data: {json.dumps(event)}\n\n".encode()
+    yield b"data: [DONE]\n\n"
+
+
+async def _merge(manager: ServerTokenizerManager, reqs: list[Any], snap: Callable[[int, ServerReqState], Any]
+                 ) -> AsyncIterator[tuple[int, Any, dict[str, Any] | None]]:
+    """Several requests' progress as it comes: (index, ``snap(index, state)`` taken when
+    the state came, its meta_info once that request finished, else None), until every
+    request finished. Closing it early aborts those still running."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, req: Any) -> None:
+        async for state in manager.generate_request(req):
+            await queue.put((index, snap(index, state), state.meta_info if state.finished else None))
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+    try:
+        done = 0
+        while done < len(reqs):
+            item = await queue.get()
+            done += item[2] is not None
+            yield item
+    finally:
+        for t in tasks:
+            t.cancel()  # a client that went away: each request's generator aborts it
 
 
 async def _collect(manager: ServerTokenizerManager, req: Any, request: Request | None = None) -> ServerReqState:
@@ -275,7 +350,7 @@ async def _event_stream(address: str) -> AsyncIterator[bytes]:
 
 def _openai_routes(app: FastAPI, manager: ServerTokenizerManager, info: ServerInfo) -> None:
     def model_card() -> dict[str, Any]:
-        return {"id": info.model_name, "object": "model", "created": 0, "owned_by": "sglite",
+        return {"id": info.model_name, "object": "model", "created": info.created, "owned_by": "sglite",
                 "root": info.server_args.model_path}
 
     @app.get("/v1/models")
@@ -328,33 +403,25 @@ async def _openai_stream(manager: ServerTokenizerManager, reqs: list[Any], rid: 
                          include_usage: bool) -> AsyncIterator[bytes]:
     """Deltas of every choice as they come, each choice's finish_reason, then usage
     (when asked) and [DONE]. Leaving early aborts every choice still running."""
-    queue: asyncio.Queue = asyncio.Queue()
+    started: set[int] = set()
 
-    async def pump(index: int, req: Any) -> None:
-        first = True
-        async for state in manager.generate_request(req):
-            text = "".join(o.new_text for o in state.outs)
-            state.outs.clear()
-            reason = oai.finish_reason(state.meta_info) if state.finished else None
-            await queue.put(oai.stream_chunk(rid, model, chat, index, text, reason, first))
-            first = False
-        await queue.put(state.meta_info)
+    def chunk(index: int, state: ServerReqState) -> dict[str, Any]:
+        text = "".join(o.new_text for o in state.outs)
+        state.outs.clear()
+        reason = oai.finish_reason(state.meta_info) if state.finished else None
+        first = index not in started
+        started.add(index)
+        return oai.stream_chunk(rid, model, chat, index, text, reason, first)
 
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
     metas: list[dict[str, Any]] = []
-    try:
-        while len(metas) < len(reqs):
-            item = await queue.get()
-            if "choices" in item:
-                yield f"data: {json.dumps(item)}\n\n".encode()
-            else:
-                metas.append(item)
-                if "error" in item:
-                    yield f"data: {json.dumps({'error': oai.error_body(item['error'])})}\n\n".encode()
-        if include_usage:
-            last = oai.stream_chunk(rid, model, chat, 0, None, None) | {"choices": [], "usage": oai.usage(metas)}
-            yield f"data: {json.dumps(last)}\n\n".encode()
-        yield b"data: [DONE]\n\n"
-    finally:
-        for t in tasks:
-            t.cancel()  # a client that went away: each choice's generator aborts its request
+    async with contextlib.aclosing(_merge(manager, reqs, chunk)) as events:
+        async for _, event, meta in events:
+            yield f"data: {json.dumps(event)}\n\n".encode()
+            if meta is not None:
+                metas.append(meta)
+                if "error" in meta:
+                    yield f"data: {json.dumps({'error': oai.error_body(meta['error'])})}\n\n".encode()
+    if include_usage:
+        last = oai.stream_chunk(rid, model, chat, 0, None, None) | {"choices": [], "usage": oai.usage(metas)}
+        yield f"data: {json.dumps(last)}\n\n".encode()
+    yield b"data: [DONE]\n\n"

@@ -25,6 +25,7 @@ UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": 
                "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
                "functions": (None, []), "function_call": (None, "none")}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+NO_LIMIT = 1 << 30  # a chat's max_new_tokens when none is given (the scheduler caps it at max_req_len)
 MAX_N = 16
 
 
@@ -52,8 +53,10 @@ def sampling_params(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], i
                 raise OpenAIError(f"{key} is not supported by sglite", key)
         elif key not in IGNORED_KEYS:
             raise OpenAIError(f"unknown parameter {key!r}", key)
-    if "max_new_tokens" not in params and not chat:
-        params["max_new_tokens"] = DEFAULT_MAX_TOKENS
+    if "max_new_tokens" not in params:
+        # completions: OpenAI's 16; a chat without a limit runs to a stop or to the end of
+        # the context (as SGLang's: the scheduler caps the output at what the prompt leaves)
+        params["max_new_tokens"] = NO_LIMIT if chat else DEFAULT_MAX_TOKENS
     n = body.get("n", 1)
     if n is None:
         n = 1

@@ -91,8 +91,10 @@ def run_detokenizer_process(tokenizer: "Tokenizer | None", port_args: "PortArgs"
     Scheduler in, text to the TokenizerManager out, one message per scheduler iteration."""
     import os
 
+    import setproctitle
     import zmq
 
+    setproctitle.setproctitle("sglite::detokenizer")
     ctx = zmq.Context()
     recv = ctx.socket(zmq.PULL)
     recv.bind(port_args.detokenizer_ipc_name)

@@ -207,8 +207,10 @@ class Scheduler:
         """Empty the radix cache and give every KV slot back; only when nothing runs
         (SGLang refuses too: running requests hold tree nodes). ``force``: a failed
         round's recovery, which has just taken every slot back from its requests."""
-        if not force and (self.live_reqs() or self.result_queue):
+        if not force and self.live_reqs():
             return FlushCacheReqOutput(False, "cannot flush the cache while requests run")
+        if not force:
+            self.finish_round_in_flight()
         self.tree_cache.reset()
         self.req_to_token_pool.clear()
         self.token_to_kv_pool_allocator.clear()
@@ -443,8 +445,15 @@ class Scheduler:
         self.server_args.schedule_policy = name
         self.policy = SchedulePolicy(name, self.tree_cache, self.server_args.random_seed)
 
-    def shutdown(self) -> None:
-        """Finish the round in flight (overlap) and stop the forward worker."""
+    def finish_round_in_flight(self) -> None:
+        """The overlap loop launches a round before it knows the last one finished its
+        requests: with none left, resolve that round (its tokens are dropped) so no
+        forward still writes the pool, and start the next iteration with none pending."""
         while self.result_queue:
             self.process_batch_result(*self.result_queue.popleft())
+        self.last_batch = None
+
+    def shutdown(self) -> None:
+        """Finish the round in flight (overlap) and stop the forward worker."""
+        self.finish_round_in_flight()
         self.tp_worker.shutdown()

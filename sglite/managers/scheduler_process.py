@@ -31,9 +31,12 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Co
     """``viewer_args``: the CLI's viewer options (--record, tracing): they attach to
     this process's EventBus, as to an offline Engine's, and are closed (spans flushed,
     the recording ended) when the server stops this process with SIGTERM."""
+    import setproctitle
+
     from sglite.engine import _setup_logging
     from sglite.managers.scheduler import Scheduler
 
+    setproctitle.setproctitle("sglite::scheduler_TP0")  # (ps, top, py-spy show which process is which)
     _setup_logging(server_args.log_level)
     parent = os.getppid()
     try:

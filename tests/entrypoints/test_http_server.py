@@ -116,6 +116,29 @@ def test_native_generate_equals_the_offline_engine(server, engine):
     assert ids["output_ids"] == greedy(engine, 5, input_ids=[5, 6, 7])["output_ids"]
 
 
+def test_a_native_batch_answers_each_request_in_order(server, engine):
+    """SGLang's batch form of /generate: a list of texts (or of token-id lists) gives a
+    list of results; streamed, each event carries its request's index."""
+    want = [greedy(engine, prompt=p) for p in PROMPTS]
+    body = {"text": PROMPTS, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    got = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    assert [g["text"] for g in got] == [w["text"] for w in want]
+    with httpx.stream("POST", f"{server.url}/generate", json=body | {"stream": True, "rid": list("abcd")},
+                      timeout=60) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    last = {}
+    for e in map(json.loads, events[:-1]):
+        last[e["index"]] = e
+    assert [last[i]["text"] for i in range(4)] == [w["text"] for w in want]  # cumulative, per request
+    assert [last[i]["meta_info"]["id"] for i in range(4)] == list("abcd")
+    ids = httpx.post(f"{server.url}/generate", timeout=60, json={"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": [
+        {"max_new_tokens": 3, "temperature": 0}, {"max_new_tokens": 5, "temperature": 0}]}).json()
+    assert [len(r["output_ids"]) for r in ids] == [3, 5]
+    assert ids[1]["output_ids"] == greedy(engine, 5, input_ids=[8, 9])["output_ids"]
+
+
 def test_openai_client_completions_and_chat_equal_the_offline_engine(server, engine):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
     (model,) = [m.id for m in client.models.list().data]
@@ -195,6 +218,11 @@ BAD = [
     ("/v1/chat/completions", {"messages": "hi"}, "messages must be"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "'role' and 'content'"),
     ("/abort_request", {}, "give {\"rid\""),
+    ("/generate", {"text": []}, "a batch holds 1 to 1024 requests, got 0"),
+    ("/generate", {"text": ["a", "b"], "rid": "x"}, "rid must be a list of 2 strings for a batch of 2"),
+    ("/generate", {"text": ["a", "b"], "rid": ["x", "x"]}, "the rids of a batch must differ"),
+    ("/generate", {"text": ["a", ""]}, "request 1 of the batch: the prompt is empty"),
+    ("/generate", {"input_ids": [[5], [6]], "sampling_params": [{}]}, "a list of 2, for a batch of 2"),
 ]
 
 
@@ -220,6 +248,25 @@ def test_native_routes(server):
     state = server.state()
     assert state["evictable_tokens"] == 0 and state["available_tokens"] == state["max_total_num_tokens"]
     assert httpx.post(f"{server.url}/abort_request", json={"rid": "no-such-request"}).status_code == 200
+    titles = set()
+    for pid in children_of(server.proc.pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            titles.add(f.read().split(b"\0")[0].decode())
+    assert {"sglite::scheduler_TP0", "sglite::detokenizer"} <= titles, titles  # SGLang's, as ps shows them
+    created = httpx.get(f"{server.url}/v1/models").json()["data"][0]["created"]
+    assert time.time() - 3600 < created <= time.time()  # when the server started
+
+
+def test_a_chat_without_max_tokens_runs_to_the_end_of_the_context(server):
+    """As SGLang's: no max_tokens on a chat is no limit but the context (completions: 16)."""
+    info = httpx.get(f"{server.url}/get_server_info").json()
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=300, json={
+        "messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "ignore_eos": True}).json()
+    usage = r["usage"]
+    assert r["choices"][0]["finish_reason"] == "length"
+    assert usage["completion_tokens"] == info["max_req_input_len"] + 5 - usage["prompt_tokens"]
+    short = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "ignore_eos": True}, timeout=60).json()
+    assert short["usage"]["completion_tokens"] == 16
 
 
 def test_explain_tells_a_served_request_s_history(server):

@@ -261,3 +261,24 @@ def test_stream_interval_sends_the_first_every_nth_and_the_last_token():
     assert [len(c["output_ids"]) for c in chunks] == [1, 4, 4, 1]
     assert sum((c["output_ids"] for c in chunks), []) == solo["output_ids"]
     assert "".join(c["text"] for c in chunks) == solo["text"]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_flush_cache_right_after_generate_empties_the_pool(overlap):
+    """generate returns once its requests finished; the overlap loop still has the round
+    it launched for them in flight. flush_cache resolves that round and empties the
+    cache (it refused before: 'while requests run'), and the next run computes the
+    whole prompt again with the same tokens."""
+    engine = make_engine(disable_overlap_schedule=not overlap)
+    prompts = [[7] * 40 + [i] for i in range(3, 7)]
+    params = {"max_new_tokens": 6, "temperature": 0}
+    first = engine.generate(input_ids=prompts, sampling_params=params)
+    out = engine.scheduler.flush_cache()
+    assert out.success, out.message
+    s = engine.scheduler
+    assert not s.has_work() and s.tree_cache.evictable_size() == 0
+    assert s.token_to_kv_pool_allocator.available_size() == s.max_total_num_tokens
+    again = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in first]
+    assert again[0]["meta_info"]["cached_tokens"] == 0
+    run_to_idle(engine)
