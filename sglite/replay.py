@@ -70,11 +70,12 @@ def rerun(rec: Recording, overrides: dict[str, Any] | None = None, out_path: str
     from sglite.managers.io_struct import AbortReq
 
     engine = Engine(**{**rec.server_args, **(overrides or {})})
+    header = header_for(engine)
     log = ev.EventLog()
-    log(header_for(engine))  # the events start as the recording does
+    log(header)  # the events start as the recording does
     closers = [engine.event_bus.subscribe(log, snapshots=True)]
     if out_path:
-        recorder = ev.EventRecorder(out_path, header_for(engine))
+        recorder = ev.EventRecorder(out_path, header)
         closers += [engine.event_bus.subscribe(recorder, snapshots=True), recorder.close]
     try:
         pending = sorted(set(rec.arrivals) | set(rec.aborts))
@@ -262,7 +263,11 @@ def _run_command(args: Any) -> int:
     return 0
 
 
-def _print_table(header: list[str], rows: list[list[str]]) -> None:
+def format_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """The header and the rows as lines of left-aligned columns."""
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    for row in [header, *rows]:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+    return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+
+
+def _print_table(header: list[str], rows: list[list[str]]) -> None:
+    print("\n".join(format_table(header, rows)))

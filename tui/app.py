@@ -55,6 +55,26 @@ def pool_lines(v: View, width: int, throughput: float) -> list[Text]:
         f"admit: {stop}", f"{throughput:.1f} tok/s")]
 
 
+class IterationKeys:
+    """The keys that move through a recording's iterations (a replay; two runs
+    compared), for an App with ``index``, ``paused``, ``show_index(i)`` and
+    ``last_index``."""
+
+    def action_step(self) -> None:
+        self.paused = True
+        self.show_index(self.index + 1)
+
+    def action_back(self) -> None:
+        self.paused = True
+        self.show_index(self.index - 1)
+
+    def action_first(self) -> None:
+        self.show_index(0)
+
+    def action_last(self) -> None:
+        self.show_index(self.last_index)
+
+
 class LiveFeed:
     """Messages from the engine host, folded into Views; the screen draws the latest."""
 
@@ -136,7 +156,7 @@ class DetailScreen(ModalScreen):
         body.update(text.append(req.text_at(view.iteration) or "(none yet)"))
 
 
-class SchedulerApp(App):
+class SchedulerApp(IterationKeys, App):
     TITLE = "sglite"
     CSS = """
     Grid { grid-size: 3 2; grid-rows: 1fr 1fr; grid-columns: 1fr 0.8fr 1.2fr; }
@@ -261,6 +281,10 @@ class SchedulerApp(App):
         elif self.last_view is not None and monotonic() - self._pool_drawn >= DECAY_REDRAW:
             if self.query("#pool"):  # (none while the app closes: a last tick may come after its panels went)
                 self._render_pool(self.last_view)  # tok/s falls while nothing runs
+
+    @property
+    def last_index(self) -> int:
+        return len(self.views) - 1
 
     def show_index(self, i: int) -> None:
         if self.views:
@@ -403,21 +427,11 @@ class SchedulerApp(App):
             self.render_view(self.last_view)
 
     def action_step(self) -> None:
-        self.paused = True
         if self.replay:
-            self.show_index(self.index + 1)
+            super().action_step()
         else:
+            self.paused = True
             self.feed.connection.send("step")
-
-    def action_back(self) -> None:
-        self.paused = True
-        self.show_index(self.index - 1)
-
-    def action_first(self) -> None:
-        self.show_index(0)
-
-    def action_last(self) -> None:
-        self.show_index(len(self.views) - 1)
 
     def action_add_prompt(self) -> None:
         self._ask("prompt", "prompt, then Enter (Esc to cancel)")

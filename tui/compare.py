@@ -21,8 +21,8 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer
 
 from sglite import events as ev
-from sglite.replay import diff_table
-from tui.app import pool_lines
+from sglite.replay import diff_table, format_table
+from tui.app import IterationKeys, pool_lines
 from tui.help import HelpScreen
 from tui.state import ADMISSION_WORDS, View, build_views, short_rid
 from tui.widgets import RowTable, TextLines, TitleBar, WidthLines
@@ -45,16 +45,18 @@ class Run(NamedTuple):
     server_args: dict[str, Any]
     events: list[ev.Event]
     views: list[View]
+    iterations: list[int]  # each View's iteration, ascending
 
     @classmethod
     def of(cls, label: str, events: list[ev.Event]) -> "Run":
         header = next((e for e in events if isinstance(e, ev.RecordingStarted)), None)
-        return cls(label, dict(header.server_args) if header else {}, events, build_views(events)[0])
+        views = build_views(events)[0]
+        return cls(label, dict(header.server_args) if header else {}, events, views, [v.iteration for v in views])
 
     def at(self, iteration: int) -> tuple[View, str]:
         """The run's View as of ``iteration`` (its latest at or before it) and a note
         when the run had not started or had already ended there."""
-        its = [v.iteration for v in self.views]
+        its = self.iterations
         i = bisect.bisect_right(its, iteration) - 1
         if i < 0:
             return View(iteration=iteration), "not started"
@@ -142,6 +144,18 @@ def args_line(a: dict[str, Any], b: dict[str, Any]) -> str:
     return "args: " + ", ".join(changed) if changed else "the same server args"
 
 
+def request_lines(a: list[ev.Event], b: list[ev.Event]) -> list[Text]:
+    """``sglite replay --diff``'s table for the requests that changed (TTFT in
+    iterations: the seconds differ between any two runs), then a count of the others."""
+    header, rows = diff_table(a, b)
+    kept = [j for j, name in enumerate(header) if name != "ttft (s)"]
+    header, rows = [header[j] for j in kept], [[short_rid(r[0])] + [r[j] for j in kept[1:]] for r in rows]
+    changed = [r for r in rows if r[-1] != "same" or any("->" in c for c in r[1:])]
+    head, *body = format_table(header, changed)
+    return ([Text(head, style="bold")] + [Text(line) for line in body]
+            + [Text(f"{len(rows) - len(changed)} other request(s) the same in both runs", style="dim")])
+
+
 def side_lines(run: Run, v: View, note: str, width: int, short: bool = False) -> list[Text]:
     """A side's head: the run's name and state, then its KV pool: a bar and two lines,
     or (``short``: a terminal under TALL rows) one line."""
@@ -160,7 +174,7 @@ def side_lines(run: Run, v: View, note: str, width: int, short: bool = False) ->
             Text(f"new_token_ratio {v.new_token_ratio:.3f} · admit: {stop} · {v.finished} finished")]
 
 
-class CompareApp(App):
+class CompareApp(IterationKeys, App):
     """Two runs, stepped together by iteration (module docstring)."""
 
     TITLE = "sglite compare"
@@ -198,7 +212,7 @@ class CompareApp(App):
         # iterations (as indices) where the two schedulers decided differently
         self.differing = [i for i, it in enumerate(self.iterations)
                           if decisions(a.at(it)[0]) != decisions(b.at(it)[0])]
-        self.request_table = diff_table(a.events, b.events)
+        self.request_lines = request_lines(a.events, b.events)
         self.args = args_line(a.server_args, b.server_args)
 
     def compose(self) -> ComposeResult:
@@ -249,15 +263,7 @@ class CompareApp(App):
         panel.set_class(self.show_requests, "requests")
         panel.set_class(self.size.height < TALL, "short")
         if self.show_requests:
-            header, rows = self.request_table
-            # the seconds to the first token differ between any two runs: the iterations say it here
-            kept = [j for j, name in enumerate(header) if name != "ttft (s)"]
-            header, rows = [header[j] for j in kept], [[short_rid(r[0])] + [r[j] for j in kept[1:]] for r in rows]
-            changed = [r for r in rows if r[-1] != "same" or any("->" in c for c in r[1:])]
-            widths = [max(len(c) for c in col) for col in zip(header, *rows)] if rows else []
-            fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-            lines = [Text(fmt(header), style="bold")] + [Text(fmt(r)) for r in changed]
-            lines.append(Text(f"{len(rows) - len(changed)} other request(s) the same in both runs", style="dim"))
+            lines = self.request_lines
             panel.border_title = "per request, A -> B (the whole runs: sglite replay --diff)"
             panel.border_subtitle = "r: this iteration"
         else:
@@ -278,19 +284,9 @@ class CompareApp(App):
         self.paused = not self.paused
         self._show_top_line()
 
-    def action_step(self) -> None:
-        self.paused = True
-        self.show_index(self.index + 1)
-
-    def action_back(self) -> None:
-        self.paused = True
-        self.show_index(self.index - 1)
-
-    def action_first(self) -> None:
-        self.show_index(0)
-
-    def action_last(self) -> None:
-        self.show_index(len(self.iterations) - 1)
+    @property
+    def last_index(self) -> int:
+        return len(self.iterations) - 1
 
     def action_next_difference(self) -> None:
         self._jump(next((i for i in self.differing if i > self.index), None), "after")

@@ -192,7 +192,7 @@ async def _generate(request: Request, manager: ServerTokenizerManager, trace_par
         raise RequestError("stream must be true or false")
     batch = _is_batch(body)
     reqs = []
-    for i, (rid, text, ids, params) in enumerate(_batch_items(body)):
+    for i, (rid, text, ids, params) in enumerate(_batch_items(body, batch)):
         try:  # (nothing is sent before every request of a batch passed)
             reqs.append(manager.check(rid, prompt=text, input_ids=ids, sampling_params=params, stream=stream,
                                       trace_parent=trace_parent))
@@ -212,12 +212,12 @@ def _is_batch(body: dict[str, Any]) -> bool:
     return isinstance(body.get("text"), list) or (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list))
 
 
-def _batch_items(body: dict[str, Any]) -> list[tuple[str, Any, Any, Any]]:
+def _batch_items(body: dict[str, Any], batch: bool) -> list[tuple[str, Any, Any, Any]]:
     """(rid, text, input_ids, sampling_params) of each request the body asks for. In a
     batch, ``sampling_params`` is one dict for all or a list of one each, and ``rid``
     (optional) a list of one each."""
     rid, params = body.get("rid"), body.get("sampling_params")
-    if not _is_batch(body):
+    if not batch:
         rid = rid or uuid.uuid4().hex
         if not isinstance(rid, str):
             raise RequestError("rid must be a string")
