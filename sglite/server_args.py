@@ -29,7 +29,8 @@ KNOWN_MODELS = {
 class ServerArgs:
     # model
     model_path: str = _opt(DEFAULT_MODEL, "registry name (smollm2-135m, tiny-random), a .gguf file or a Hugging Face folder")
-    dtype: str = _opt("auto", "weights and KV dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16",
+    dtype: str = _opt("auto", "weights and KV dtype: auto (bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, "
+                      "else float32; $SGLITE_CPU_DTYPE sets a CPU's), float32, bfloat16, float16",
                       choices=("auto", "float32", "bfloat16", "float16"))
     device: str = _opt("auto", "cpu, cuda, or auto (cuda when available)")
     context_length: int | None = _opt(None, "max tokens per request (prompt + output); default: the model's")
@@ -130,7 +131,7 @@ class ServerArgs:
         """Whether decode forwards on a CPU will run as the CPU graph (the cpu backend, float32).
         auto falls back to torch_native where the kernels cannot build; the overlap loop
         is then still correct, only no faster."""
-        return (self.attention_backend in ("auto", "cpu") and self.dtype in ("auto", "float32")
+        return (self.attention_backend in ("auto", "cpu") and self.dtype in ("auto", "float32", "bfloat16")
                 and not self.disable_cpu_graph)
 
     @classmethod

@@ -46,17 +46,21 @@ class CpuGraphRunner:
         model, config = model_runner.model, model_runner.model_config
         pool = model_runner.token_to_kv_pool
         first = model.model.layers[0].self_attn
+        packed = model.packed_lm_head is not None  # bfloat16: every linear's weight is packed
         self.graph = load_cpu_ops().DecodeGraph(
-            model.model.embed_tokens.weight, model.model.norm.weight, model.lm_head_weight,
+            model.model.embed_tokens.weight, model.model.norm.weight,
+            model.packed_lm_head.weight if packed else model.lm_head_weight,
             config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-            model.model.norm.variance_epsilon, first.attn.scaling)
+            model.model.norm.variance_epsilon, first.attn.scaling, packed)
         for i, layer in enumerate(model.model.layers):
             attn = layer.self_attn
             self.graph.add_layer(
                 layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
                 layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight,
-                attn.rotary_emb.cos_sin_cache, pool.get_key_buffer(i), pool.get_value_buffer(i))
-        logger.info("CPU graph: decode forwards of %d layers run as one C++ call", self.graph.num_layers)
+                attn.rotary_emb.cos_sin_cache, pool.get_key_buffer(i), pool.get_value_buffer(i),
+                config.intermediate_size)
+        logger.info("CPU graph: decode forwards of %d layers run as one C++ call%s", self.graph.num_layers,
+                    " (bfloat16, packed linears)" if packed else "")
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         return forward_batch.forward_mode.is_decode() and forward_batch.batch_size > 0

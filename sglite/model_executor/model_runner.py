@@ -4,6 +4,7 @@ one forward and samples (SGLang: model_executor/model_runner.py)."""
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -31,20 +32,58 @@ DEFAULT_MAX_RUNNING_REQUESTS_CAP = 256
 REQ_TO_TOKEN_EXTRA_COLUMNS = 4  # req_to_token rows are a little longer than the context
 
 
+# what --dtype auto means on a CPU, when set (float32 or bfloat16); the test suite sets
+# float32 so that its exact expected outputs hold on every CPU
+CPU_DTYPE_ENV = "SGLITE_CPU_DTYPE"
+CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the cpu backend's kernels take
+
+
+def cpu_bf16_flags() -> list[str]:
+    """The CPU's bfloat16 instructions that /proc/cpuinfo lists (avx512_bf16, amx_bf16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+
+
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return _DTYPES[dtype]
+    """auto: bfloat16 on CUDA; on a CPU, bfloat16 where it has bfloat16 dot products
+    (AVX512-BF16 or AMX), else float32 ($SGLITE_CPU_DTYPE overrides the CPU's choice)."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.startswith("cuda"):
+        return torch.bfloat16
+    forced = os.environ.get(CPU_DTYPE_ENV)
+    if forced:
+        if forced not in ("float32", "bfloat16"):
+            raise ValueError(f"{CPU_DTYPE_ENV} must be float32 or bfloat16, not {forced!r}")
+        return _DTYPES[forced]
+    return torch.bfloat16 if cpu_bf16_flags() else torch.float32
+
+
+def describe_cpu_dtype(dtype: str, resolved: torch.dtype) -> str:
+    """One line for the log: which dtype a CPU engine runs and why."""
+    name = str(resolved).removeprefix("torch.")
+    if dtype != "auto":
+        return f"dtype {name} (--dtype {dtype})"
+    if os.environ.get(CPU_DTYPE_ENV):
+        return f"dtype {name} (--dtype auto, ${CPU_DTYPE_ENV}={os.environ[CPU_DTYPE_ENV]})"
+    flags = cpu_bf16_flags()
+    if flags:
+        return f"dtype {name} (--dtype auto: this CPU has {' and '.join(flags)})"
+    return f"dtype {name} (--dtype auto: this CPU has no bfloat16 dot products)"
 
 
 def resolve_attention_backend(name: str, device: str, dtype: torch.dtype = torch.float32) -> str:
-    """auto: triton on CUDA; on a CPU, cpu when the pools are float32 and its C++ kernels
-    build, else torch_native (saying why). Building them is what checks cpu, so this
-    runs after the weights load; ModelRunner checks triton before (triton_utils)."""
+    """auto: triton on CUDA; on a CPU, cpu when the pools are float32 or bfloat16 and its
+    C++ kernels build, else torch_native (saying why). Building them is what checks cpu,
+    so this runs after the weights load; ModelRunner checks triton before (triton_utils)."""
     if name == "auto":
         if device.startswith("cuda"):
             return "triton"
-        if dtype != torch.float32:
+        if dtype not in CPU_KERNEL_DTYPES:
             return "torch_native"
         why = _cpu_ops_unavailable()
         if why:
@@ -54,8 +93,8 @@ def resolve_attention_backend(name: str, device: str, dtype: torch.dtype = torch
     if name == "cpu":
         if device.startswith("cuda"):
             raise ValueError("--attention-backend cpu runs on a CPU; use triton or torch_native on CUDA")
-        if dtype != torch.float32:
-            raise ValueError(f"--attention-backend cpu needs float32 KV pools (--dtype float32), not {dtype}")
+        if dtype not in CPU_KERNEL_DTYPES:
+            raise ValueError(f"--attention-backend cpu needs float32 or bfloat16 KV pools, not {dtype}")
         why = _cpu_ops_unavailable()
         if why:
             raise ValueError(f"--attention-backend cpu: {why}; --attention-backend torch_native needs no compiler")
@@ -95,6 +134,8 @@ class ModelRunner:
         self.server_args = server_args
         self.device = resolve_device(server_args.device)
         self.dtype = resolve_dtype(server_args.dtype, self.device)
+        if self.device == "cpu":
+            logger.info(describe_cpu_dtype(server_args.dtype, self.dtype))
         if server_args.attention_backend == "triton":
             from sglite.layers.triton_utils import check_triton_usable
 
@@ -128,6 +169,8 @@ class ModelRunner:
                 module.cos_sin_cache = module._compute_cos_sin_cache().to(self.device)
         model.load_weights((k, v.to(self.device, self.dtype)) for k, v in weights.items())
         model.eval()
+        if self.attention_backend == "cpu" and self.dtype == torch.bfloat16:
+            model.pack_linear_weights()  # the C++ bf16 linears (layers/linear.py)
         return model
 
     def _build_attn_backend(self) -> AttentionBackend:

@@ -14,6 +14,7 @@ from torch import nn
 from sglite.configs.model_config import ModelConfig
 from sglite.layers.activation import SiluAndMul
 from sglite.layers.layernorm import RMSNorm
+from sglite.layers.linear import ReplicatedLinear
 from sglite.layers.logits_processor import LogitsProcessor
 from sglite.layers.radix_attention import RadixAttention
 from sglite.layers.rotary_embedding import get_rope
@@ -23,8 +24,8 @@ from sglite.model_executor.forward_batch_info import ForwardBatch
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = ReplicatedLinear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias=False)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -39,10 +40,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = ReplicatedLinear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = ReplicatedLinear(self.q_size, config.hidden_size, bias=False)
         self.rotary_emb = get_rope(
             self.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
@@ -115,19 +116,31 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+        self.lm_head = None if config.tie_word_embeddings else ReplicatedLinear(
             config.hidden_size, config.vocab_size, bias=False
         )
+        # the LM head as a packed layer (pack_linear_weights); a tied head packs a copy
+        self.packed_lm_head: ReplicatedLinear | None = None
         self.logits_processor = LogitsProcessor()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def pack_linear_weights(self) -> None:
+        """Pack every linear layer and the LM head for the CPU's bfloat16 kernels (a
+        bfloat16 model on a CPU, after its weights load); the embedding stays as it is."""
+        for module in self.modules():
+            if isinstance(module, ReplicatedLinear):
+                module.pack()
+        self.packed_lm_head = (self.lm_head if self.lm_head is not None
+                               else ReplicatedLinear.packed_from(self.model.embed_tokens.weight))
+
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden_states = self.model(input_ids, positions, forward_batch)
-        return self.logits_processor(hidden_states, self.lm_head_weight, forward_batch)
+        head = self.packed_lm_head if self.packed_lm_head is not None else self.lm_head_weight
+        return self.logits_processor(hidden_states, head, forward_batch)
 
     def _shard_sizes(self, fused: str) -> list[int]:
         c = self.config

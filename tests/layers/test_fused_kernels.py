@@ -97,7 +97,7 @@ def test_cpu_kernels_reject_bad_input_with_a_message():
 
     ops = load_cpu_ops()
     x = randn(4, 16)
-    with pytest.raises(RuntimeError, match="x must be a contiguous float32 CPU tensor"):
+    with pytest.raises(RuntimeError, match="x must be a contiguous float32 or bfloat16 CPU tensor"):
         ops.rmsnorm(x.double(), torch.ones(16), torch.empty(4, 16), 1e-6)
     with pytest.raises(RuntimeError, match="rmsnorm: shapes do not match"):
         ops.rmsnorm(x, torch.ones(8), torch.empty(4, 16), 1e-6)

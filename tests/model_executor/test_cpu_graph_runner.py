@@ -55,10 +55,10 @@ def make_model(variant: str, seed: int = 0) -> tuple[ModelConfig, dict[str, torc
     return cfg, w
 
 
-def runner(variant: str, graph: bool, tokens: int = 512) -> ModelRunner:
+def runner(variant: str, graph: bool, tokens: int = 512, dtype: str = "float32") -> ModelRunner:
     cfg, w = make_model(variant)
     args = ServerArgs(model_path="unused", device="cpu", max_total_tokens=tokens, max_running_requests=8,
-                      disable_cpu_graph=not graph)
+                      disable_cpu_graph=not graph, dtype=dtype)
     return ModelRunner(args, cfg, w)
 
 
@@ -86,9 +86,13 @@ def drive(hs: HandScheduler, steps: list) -> list[torch.Tensor]:
 STEPS = [[(0, 1), (1, 2), (2, 3)], [(2, 4)], [(1, 5), (0, 6)], [(0, 7), (1, 8), (2, 9)]]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_decode_logits_and_kv_equal_the_modules_bit_for_bit(variant):
-    graphed, plain = runner(variant, graph=True), runner(variant, graph=False)
+def test_decode_logits_and_kv_equal_the_modules_bit_for_bit(variant, dtype):
+    """bfloat16: the graph runs the packed linears (a vocabulary of 101 pads the LM head's
+    last block) and the bfloat16 kernels, as the modules do."""
+    graphed, plain = runner(variant, graph=True, dtype=dtype), runner(variant, graph=False, dtype=dtype)
+    assert graphed.model.model.layers[0].mlp.down_proj.packed == (dtype == "bfloat16")
     assert plain.cpu_graph_runner is None
     counting = graphed.cpu_graph_runner.graph = CountingGraph(graphed.cpu_graph_runner.graph)
     got, want = drive(HandScheduler(graphed), STEPS), drive(HandScheduler(plain), STEPS)
@@ -167,7 +171,7 @@ def test_bad_input_is_a_one_line_error():
     with pytest.raises(RuntimeError, match="input_ids must be a contiguous int64"):
         graph.run(ids.int(), ids, ids, r2t, ids, ids + 1)
     with pytest.raises(RuntimeError, match=r"input_norm has shape \[3\], expected \[128\]"):
-        graph.add_layer(*[torch.ones(3)] * 2, None, *[torch.ones(3)] * 7)
+        graph.add_layer(*[torch.ones(3)] * 2, None, *[torch.ones(3)] * 7, 256)
 
 
 def test_off_without_the_cpu_backend_and_with_the_flag():

@@ -92,3 +92,31 @@ def test_mixed_prefix_batch_and_decode_match_transformers(case):
         ref2 = hf(torch.tensor([r2 + [t2]])).logits[0, -1]
     assert (dec[0] - ref1).abs().max() < 1e-4
     assert (dec[1] - ref2).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bfloat16_logits_match_transformers_bfloat16(case):
+    """--dtype bfloat16 on a CPU (packed linears, the bfloat16 kernels, the CPU graph for
+    the decode row) against transformers in bfloat16: logits within 0.01 of it (logits
+    here are about 1 in size; bfloat16 keeps 8 bits), and no farther from the float32
+    model than transformers' own bfloat16 run is (1.5x, or 1e-3)."""
+    import copy
+
+    arch, extra = CASES[case]
+    hf, cfg = _hf_model(arch, extra)
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    args = ServerArgs(model_path="unused", device="cpu", max_total_tokens=512, max_running_requests=8,
+                      dtype="bfloat16")
+    runner = ModelRunner(args, cfg, hf.state_dict())
+    assert runner.model.packed_lm_head is not None and runner.cpu_graph_runner is not None
+    ids = torch.randint(0, cfg.vocab_size, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    hs = HandScheduler(runner)
+    seq = hs.new_seq()
+    ours = [hs.extend([(seq, ids)]), hs.decode([(seq, 7)])[0]]
+    with torch.no_grad():
+        ref32 = [hf(torch.tensor([ids])).logits[0], hf(torch.tensor([ids + [7]])).logits[0, -1]]
+        ref16 = [hf16(torch.tensor([ids])).logits[0].float(), hf16(torch.tensor([ids + [7]])).logits[0, -1].float()]
+    for o, r16, r32 in zip(ours, ref16, ref32):
+        assert o.dtype == torch.float32 and o.shape == r16.shape
+        assert (o - r16).abs().max().item() < 0.01
+        assert (o - r32).abs().max().item() <= max(1.5 * (r16 - r32).abs().max().item(), 1e-3)

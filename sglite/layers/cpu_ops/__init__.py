@@ -26,7 +26,8 @@ from types import ModuleType
 import torch
 
 _HERE = Path(__file__).parent
-SOURCES = [_HERE / "bindings.cpp", _HERE / "decode_attention.cpp", _HERE / "fused_ops.cpp", _HERE / "decode_graph.cpp"]
+SOURCES = [_HERE / "bindings.cpp", _HERE / "decode_attention.cpp", _HERE / "fused_ops.cpp", _HERE / "gemm.cpp",
+           _HERE / "decode_graph.cpp"]
 HEADERS = [_HERE / "common.h", _HERE / "kernels.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
 LDFLAGS = ["-fopenmp"]

@@ -17,11 +17,54 @@ inline void check_cpu_f32(const torch::Tensor& t, const char* name) { check_cpu(
 
 inline void check_cpu_i64(const torch::Tensor& t, const char* name) { check_cpu(t, name, torch::kInt64, "int64"); }
 
-// a float32 CPU tensor whose last dimension is contiguous (rows may be strided views)
-inline void check_rows_f32(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.stride(-1) == 1, name,
-              " must be a float32 CPU tensor with a contiguous last dimension");
+// a float32 or bfloat16 CPU tensor whose last dimension is contiguous (rows may be strided views)
+inline void check_rows_float(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16) &&
+                  t.stride(-1) == 1,
+              name, " must be a float32 or bfloat16 CPU tensor with a contiguous last dimension");
 }
+
+// bfloat16 <-> float32 on the raw 16 bits (c10::BFloat16's operators do the same, but
+// these inline into loops the compiler vectorizes). A bf16 is a float32's top half;
+// rounding to it is to nearest, ties to even, as torch rounds; NaN stays NaN.
+inline float bf16_to_f32(uint16_t v) { return __builtin_bit_cast(float, static_cast<uint32_t>(v) << 16); }
+
+inline uint16_t f32_to_bf16(float f) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// the element types the kernels store: float32, or bfloat16 as its raw 16 bits; the
+// arithmetic is float32 for both (to_f32 / from_f32 are the identity for float32)
+inline float to_f32(float v) { return v; }
+inline float to_f32(uint16_t v) { return bf16_to_f32(v); }
+template <class T>
+inline T from_f32(float v);
+template <>
+inline float from_f32<float>(float v) { return v; }
+template <>
+inline uint16_t from_f32<uint16_t>(float v) { return f32_to_bf16(v); }
+
+// a float32 or bfloat16 contiguous CPU tensor (the activations' and the KV pool's types)
+inline void check_cpu_float(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16) &&
+                  t.is_contiguous(),
+              name, " must be a contiguous float32 or bfloat16 CPU tensor");
+}
+
+// `t` has `like`'s dtype (the kernels take one element type per call)
+inline void check_same_dtype(const torch::Tensor& t, const torch::Tensor& like, const char* name) {
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " must be ", like.scalar_type(), ", not ", t.scalar_type());
+}
+
+// the raw pointer of a float32 (T = float) or bfloat16 (T = uint16_t) tensor
+template <class T>
+inline T* data(const torch::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+inline bool is_bf16(const torch::Tensor& t) { return t.scalar_type() == torch::kBFloat16; }
 
 // exp(x) in a form the compiler vectorizes (std::exp stays a scalar call): x = k ln2 + r
 // with |r| <= ln2/2 (ln2 split in two for exactness), exp(r) by Cephes' degree-7

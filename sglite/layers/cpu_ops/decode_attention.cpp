@@ -6,7 +6,8 @@
 // query heads (GQA) against positions 0..seq_len-1, their softmax, and the weighted sum
 // of V. Two passes over the request's slots; the scores wait in a per-thread buffer.
 // A head_dim known at compile time (64, 128) lets the compiler unroll and vectorize the
-// inner loops fully; others take the same code with a runtime head_dim.
+// inner loops fully; others take the same code with a runtime head_dim. q, the pool and
+// out are float32 or bfloat16 (one type); scores, softmax and sums are float32.
 #include <ATen/Parallel.h>
 
 #include "common.h"
@@ -18,42 +19,46 @@
 
 namespace {
 
+using sglite::to_f32;
+
+template <class T>
 struct Problem {
-  const float* q;               // [bs, H, D]
-  const float* k_buf;           // [slots, KVH, D]
-  const float* v_buf;           // [slots, KVH, D]
+  const T* q;                   // [bs, H, D]
+  const T* k_buf;               // [slots, KVH, D]
+  const T* v_buf;               // [slots, KVH, D]
   const int64_t* req_to_token;  // [max_reqs, r2t_stride]
   int64_t r2t_stride;
   const int64_t* q_rows;    // [n]: the row of q (and out) of each request
   const int64_t* pool_idx;  // [n]: its row of req_to_token
   const int64_t* seq_lens;  // [n]: positions 0..seq_len-1 are attended
-  float* out;               // [bs, H, D]
+  T* out;                   // [bs, H, D]
   int64_t n, H, KVH;
   float scale;
 };
 
 // kD > 0: head_dim fixed at compile time; kD == 0: head_dim = d_runtime
-template <int64_t kD>
-void decode_attention_impl(const Problem& p, int64_t d_runtime) {
+template <int64_t kD, class T>
+void decode_attention_impl(const Problem<T>& p, int64_t d_runtime) {
   const int64_t D = kD > 0 ? kD : d_runtime;
   const int64_t G = p.H / p.KVH;  // query heads per KV head
   const int64_t slot_stride = p.KVH * D;
   at::parallel_for(0, p.n * p.KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(G * D), top(G), sum(G);
+    std::vector<float> scores, acc(G * D), top(G), sum(G), qf(G * D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / p.KVH, kh = item % p.KVH;
       const int64_t L = p.seq_lens[r];
       const int64_t* slots = p.req_to_token + p.pool_idx[r] * p.r2t_stride;
-      const float* qh = p.q + p.q_rows[r] * p.H * D + kh * G * D;  // this KV head's G query heads
+      const T* qh = p.q + p.q_rows[r] * p.H * D + kh * G * D;  // this KV head's G query heads
+      for (int64_t i = 0; i < G * D; ++i) qf[i] = to_f32(qh[i]);
       scores.resize(G * L);
       std::fill(top.begin(), top.end(), -std::numeric_limits<float>::infinity());
       for (int64_t t = 0; t < L; ++t) {
-        const float* kp = p.k_buf + slots[t] * slot_stride + kh * D;
+        const T* kp = p.k_buf + slots[t] * slot_stride + kh * D;
         for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qh + g * D;
+          const float* qg = qf.data() + g * D;
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * kp[d];
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * to_f32(kp[d]);
           s *= p.scale;
           scores[g * L + t] = s;
           top[g] = std::max(top[g], s);
@@ -72,21 +77,30 @@ void decode_attention_impl(const Problem& p, int64_t d_runtime) {
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
-        const float* vp = p.v_buf + slots[t] * slot_stride + kh * D;
+        const T* vp = p.v_buf + slots[t] * slot_stride + kh * D;
         for (int64_t g = 0; g < G; ++g) {
           const float w = scores[g * L + t];
           float* ag = acc.data() + g * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] += w * vp[d];
+          for (int64_t d = 0; d < D; ++d) ag[d] += w * to_f32(vp[d]);
         }
       }
-      float* oh = p.out + p.q_rows[r] * p.H * D + kh * G * D;
+      T* oh = p.out + p.q_rows[r] * p.H * D + kh * G * D;
       for (int64_t g = 0; g < G; ++g) {
         const float inv = 1.f / sum[g];
-        for (int64_t d = 0; d < D; ++d) oh[g * D + d] = acc[g * D + d] * inv;
+        for (int64_t d = 0; d < D; ++d) oh[g * D + d] = sglite::from_f32<T>(acc[g * D + d] * inv);
       }
     }
   });
+}
+
+template <class T>
+void run(const Problem<T>& p, int64_t D) {
+  switch (D) {
+    case 64: decode_attention_impl<64>(p, D); break;
+    case 128: decode_attention_impl<128>(p, D); break;
+    default: decode_attention_impl<0>(p, D);
+  }
 }
 
 }  // namespace
@@ -97,10 +111,11 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& k_buf, const 
                       const torch::Tensor& req_to_token, const torch::Tensor& q_rows,
                       const torch::Tensor& pool_idx, const torch::Tensor& seq_lens, torch::Tensor& out,
                       double scale) {
-  sglite::check_cpu_f32(q, "q");
-  sglite::check_cpu_f32(k_buf, "k_buf");
-  sglite::check_cpu_f32(v_buf, "v_buf");
-  sglite::check_cpu_f32(out, "out");
+  sglite::check_cpu_float(q, "q");
+  for (const auto& [t, name] : {std::pair{&k_buf, "k_buf"}, {&v_buf, "v_buf"}, {&out, "out"}}) {
+    sglite::check_cpu_float(*t, name);
+    sglite::check_same_dtype(*t, q, name);
+  }
   sglite::check_cpu_i64(req_to_token, "req_to_token");
   sglite::check_cpu_i64(q_rows, "q_rows");
   sglite::check_cpu_i64(pool_idx, "pool_idx");
@@ -127,11 +142,15 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& k_buf, const 
       TORCH_CHECK(slots[t] >= 0 && slots[t] < k_buf.size(0), "req_to_token holds a slot outside the KV pool");
     }
   }
-  Problem p{q.data_ptr<float>(), k_buf.data_ptr<float>(), v_buf.data_ptr<float>(), req_to_token.data_ptr<int64_t>(),
-            req_to_token.size(1), rows, pidx, lens, out.data_ptr<float>(), n, H, KVH, static_cast<float>(scale)};
-  switch (D) {
-    case 64: decode_attention_impl<64>(p, D); break;
-    case 128: decode_attention_impl<128>(p, D); break;
-    default: decode_attention_impl<0>(p, D);
+  if (sglite::is_bf16(q)) {
+    using T = uint16_t;
+    run(Problem<T>{sglite::data<T>(q), sglite::data<T>(k_buf), sglite::data<T>(v_buf), req_to_token.data_ptr<int64_t>(),
+                   req_to_token.size(1), rows, pidx, lens, sglite::data<T>(out), n, H, KVH, static_cast<float>(scale)},
+        D);
+  } else {
+    run(Problem<float>{q.data_ptr<float>(), k_buf.data_ptr<float>(), v_buf.data_ptr<float>(),
+                       req_to_token.data_ptr<int64_t>(), req_to_token.size(1), rows, pidx, lens, out.data_ptr<float>(),
+                       n, H, KVH, static_cast<float>(scale)},
+        D);
   }
 }

@@ -12,6 +12,10 @@
 // takes the GIL back between every two ops: in the overlap loop the scheduler's Python
 // runs beside the whole forward instead of taking turns with it.
 //
+// float32 or bfloat16. With bfloat16 the linear layers' weights come packed
+// (convert_weight_packed; gemm.cpp runs them, as the modules' linear layers do) and the
+// logits are float32 sums of the packed LM head.
+//
 // The graph holds the model's parameters and the KV pool's per-layer buffers (the same
 // storage, not copies), handed over once by add_layer.
 #include "common.h"
@@ -19,16 +23,19 @@
 
 namespace {
 
-void check_weight(const torch::Tensor& t, const char* name, std::vector<int64_t> shape) {
-  sglite::check_cpu_f32(t, name);
+void check_weight(const torch::Tensor& t, const char* name, const torch::Tensor& like, std::vector<int64_t> shape) {
+  sglite::check_cpu_float(t, name);
+  sglite::check_same_dtype(t, like, name);
   TORCH_CHECK(t.sizes() == at::IntArrayRef(shape), name, " has shape ", t.sizes(), ", expected ",
               at::IntArrayRef(shape));
 }
 
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
 }  // namespace
 
 DecodeGraph::DecodeGraph(torch::Tensor embed, torch::Tensor final_norm, torch::Tensor lm_head, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, double rms_norm_eps, double scaling)
+                         int64_t num_kv_heads, int64_t head_dim, double rms_norm_eps, double scaling, bool packed)
     : embed_(std::move(embed)),
       final_norm_(std::move(final_norm)),
       lm_head_(std::move(lm_head)),
@@ -36,40 +43,52 @@ DecodeGraph::DecodeGraph(torch::Tensor embed, torch::Tensor final_norm, torch::T
       num_kv_heads_(num_kv_heads),
       head_dim_(head_dim),
       eps_(rms_norm_eps),
-      scaling_(scaling) {
+      scaling_(scaling),
+      packed_(packed) {
   TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && head_dim > 0 && num_heads % num_kv_heads == 0,
               "DecodeGraph: bad head counts");
-  sglite::check_cpu_f32(embed_, "embed");
+  sglite::check_cpu_float(embed_, "embed");
+  TORCH_CHECK(!packed || sglite::is_bf16(embed_), "DecodeGraph: packed weights go with a bfloat16 model");
   TORCH_CHECK(embed_.dim() == 2, "embed must be [vocab, hidden]");
   hidden_ = embed_.size(1);
-  check_weight(final_norm_, "final_norm", {hidden_});
-  sglite::check_cpu_f32(lm_head_, "lm_head");
-  TORCH_CHECK(lm_head_.dim() == 2 && lm_head_.size(1) == hidden_, "lm_head must be [vocab, hidden]");
+  vocab_ = embed_.size(0);
+  check_weight(final_norm_, "final_norm", embed_, {hidden_});
+  check_weight(lm_head_, "lm_head", embed_, weight_shape(vocab_, hidden_));
+}
+
+std::vector<int64_t> DecodeGraph::weight_shape(int64_t n, int64_t k) const {
+  return packed_ ? std::vector<int64_t>{round_up(n, 16), round_up(k, 2)} : std::vector<int64_t>{n, k};
+}
+
+torch::Tensor DecodeGraph::linear(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& b,
+                                  int64_t n) const {
+  return packed_ ? weight_packed_linear(x, w, b, n, false) : at::linear(x, w, b);
 }
 
 void DecodeGraph::add_layer(torch::Tensor input_norm, torch::Tensor qkv, std::optional<torch::Tensor> qkv_bias,
                             torch::Tensor o, torch::Tensor post_norm, torch::Tensor gate_up, torch::Tensor down,
-                            torch::Tensor cos_sin, torch::Tensor k_buf, torch::Tensor v_buf) {
+                            torch::Tensor cos_sin, torch::Tensor k_buf, torch::Tensor v_buf, int64_t intermediate) {
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
-  check_weight(input_norm, "input_norm", {hidden_});
-  check_weight(qkv, "qkv", {q_size + 2 * kv_size, hidden_});
-  if (qkv_bias) check_weight(*qkv_bias, "qkv_bias", {q_size + 2 * kv_size});
-  check_weight(o, "o", {hidden_, q_size});
-  check_weight(post_norm, "post_norm", {hidden_});
-  sglite::check_cpu_f32(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) == hidden_ && gate_up.size(0) % 2 == 0,
-              "gate_up must be [2 * intermediate, hidden]");
-  check_weight(down, "down", {hidden_, gate_up.size(0) / 2});
+  check_weight(input_norm, "input_norm", embed_, {hidden_});
+  check_weight(qkv, "qkv", embed_, weight_shape(q_size + 2 * kv_size, hidden_));
+  if (qkv_bias) check_weight(*qkv_bias, "qkv_bias", embed_, {q_size + 2 * kv_size});
+  check_weight(o, "o", embed_, weight_shape(hidden_, q_size));
+  check_weight(post_norm, "post_norm", embed_, {hidden_});
+  TORCH_CHECK(intermediate > 0, "DecodeGraph.add_layer: intermediate must be positive");
+  check_weight(gate_up, "gate_up", embed_, weight_shape(2 * intermediate, hidden_));
+  check_weight(down, "down", embed_, weight_shape(hidden_, intermediate));
   sglite::check_cpu_f32(cos_sin, "cos_sin_cache");
   TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.size(1) == head_dim_, "cos_sin_cache must be [positions, head_dim]");
-  sglite::check_cpu_f32(k_buf, "k_buf");
+  for (const auto& [t, name] : {std::pair{&k_buf, "k_buf"}, {&v_buf, "v_buf"}}) {
+    sglite::check_cpu_float(*t, name);
+    sglite::check_same_dtype(*t, embed_, name);
+  }
   TORCH_CHECK(k_buf.dim() == 3 && k_buf.size(1) == num_kv_heads_ && k_buf.size(2) == head_dim_ &&
                   v_buf.sizes() == k_buf.sizes(),
               "k_buf and v_buf must be [slots, kv_heads, head_dim]");
-  sglite::check_cpu_f32(v_buf, "v_buf");
   layers_.push_back(Layer{std::move(input_norm), std::move(qkv), std::move(qkv_bias), std::move(o),
                           std::move(post_norm), std::move(gate_up), std::move(down), std::move(cos_sin),
-                          std::move(k_buf), std::move(v_buf)});
+                          std::move(k_buf), std::move(v_buf), intermediate});
 }
 
 // input_ids, positions, out_cache_loc, req_pool_indices, seq_lens: [bs] int64; one row per
@@ -109,7 +128,7 @@ torch::Tensor DecodeGraph::run(const torch::Tensor& input_ids, const torch::Tens
       residual = sum;
     }
     // attention: qkv projection, RoPE on q and k, K/V into the pool, paged decode attention
-    const torch::Tensor qkv = at::linear(x, L.qkv, L.qkv_bias);
+    const torch::Tensor qkv = linear(x, L.qkv, L.qkv_bias, q_size + 2 * kv_size);
     const torch::Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads_, head_dim_});
     const torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads_, head_dim_});
     const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads_, head_dim_});
@@ -122,18 +141,19 @@ torch::Tensor DecodeGraph::run(const torch::Tensor& input_ids, const torch::Tens
     v_buf.index_put_({out_cache_loc}, v);
     torch::Tensor attn = torch::empty({n, num_heads_, head_dim_}, hidden.options());
     decode_attention(q_rot, L.k_buf, L.v_buf, req_to_token, q_rows, req_pool_indices, seq_lens, attn, scaling_);
-    hidden = at::linear(attn.view({n, q_size}), L.o);
+    hidden = linear(attn.view({n, q_size}), L.o, std::nullopt, hidden_);
     // MLP
     torch::Tensor sum = torch::empty_like(hidden);
     x = torch::empty_like(hidden);
     fused_add_rmsnorm(hidden, residual, L.post_norm, sum, x, eps_);
     residual = sum;
-    const torch::Tensor gate_up = at::linear(x, L.gate_up);
-    torch::Tensor act = torch::empty({n, gate_up.size(1) / 2}, hidden.options());
+    const torch::Tensor gate_up = linear(x, L.gate_up, std::nullopt, 2 * L.intermediate);
+    torch::Tensor act = torch::empty({n, L.intermediate}, hidden.options());
     silu_and_mul(gate_up, act);
-    hidden = at::linear(act, L.down);
+    hidden = linear(act, L.down, std::nullopt, hidden_);
   }
   torch::Tensor sum = torch::empty_like(hidden), x = torch::empty_like(hidden);
   fused_add_rmsnorm(hidden, residual, final_norm_, sum, x, eps_);
+  if (packed_) return weight_packed_linear(x, lm_head_, std::nullopt, vocab_, true);
   return at::matmul(x, lm_head_.t()).to(torch::kFloat32);
 }

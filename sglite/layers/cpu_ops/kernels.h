@@ -22,14 +22,20 @@ void silu_and_mul(const torch::Tensor& x, torch::Tensor& out);
 void rope_neox(const torch::Tensor& positions, const torch::Tensor& x, const torch::Tensor& cos_sin,
                torch::Tensor& out);
 
+// gemm.cpp: bfloat16 linear layers with prepacked weights
+bool cpu_has_avx512_bf16();
+torch::Tensor convert_weight_packed(const torch::Tensor& weight);
+torch::Tensor weight_packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                                   const std::optional<torch::Tensor>& bias, int64_t n, bool out_f32);
+
 // decode_graph.cpp: a Llama-family model's decode forward in one call
 class DecodeGraph {
  public:
   DecodeGraph(torch::Tensor embed, torch::Tensor final_norm, torch::Tensor lm_head, int64_t num_heads,
-              int64_t num_kv_heads, int64_t head_dim, double rms_norm_eps, double scaling);
+              int64_t num_kv_heads, int64_t head_dim, double rms_norm_eps, double scaling, bool packed);
   void add_layer(torch::Tensor input_norm, torch::Tensor qkv, std::optional<torch::Tensor> qkv_bias,
                  torch::Tensor o, torch::Tensor post_norm, torch::Tensor gate_up, torch::Tensor down,
-                 torch::Tensor cos_sin, torch::Tensor k_buf, torch::Tensor v_buf);
+                 torch::Tensor cos_sin, torch::Tensor k_buf, torch::Tensor v_buf, int64_t intermediate);
   torch::Tensor run(const torch::Tensor& input_ids, const torch::Tensor& positions,
                     const torch::Tensor& out_cache_loc, const torch::Tensor& req_to_token,
                     const torch::Tensor& req_pool_indices, const torch::Tensor& seq_lens) const;
@@ -40,9 +46,15 @@ class DecodeGraph {
     torch::Tensor input_norm, qkv;
     std::optional<torch::Tensor> qkv_bias;
     torch::Tensor o, post_norm, gate_up, down, cos_sin, k_buf, v_buf;
+    int64_t intermediate;
   };
+  // a weight's expected shape: [n, k], or its packed [n rounded up to 16, k rounded up to 2]
+  std::vector<int64_t> weight_shape(int64_t n, int64_t k) const;
+  torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& b,
+                       int64_t n) const;
   torch::Tensor embed_, final_norm_, lm_head_;
-  int64_t num_heads_, num_kv_heads_, head_dim_, hidden_ = 0;
+  int64_t num_heads_, num_kv_heads_, head_dim_, hidden_ = 0, vocab_ = 0;
   double eps_, scaling_;
+  bool packed_;  // bfloat16 with packed linear weights (gemm.cpp)
   std::vector<Layer> layers_;
 };

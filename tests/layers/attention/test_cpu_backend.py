@@ -95,7 +95,8 @@ def test_kernel_writes_only_the_rows_it_is_given():
 
 
 @pytest.mark.parametrize("change,message", [
-    (lambda a: a.update(q=a["q"].double()), "q must be a contiguous float32 CPU tensor"),
+    (lambda a: a.update(q=a["q"].double()), "q must be a contiguous float32 or bfloat16 CPU tensor"),
+    (lambda a: a.update(k_buf=a["k_buf"].bfloat16()), "k_buf must be Float, not BFloat16"),
     (lambda a: a.update(q=a["q"].transpose(0, 1).contiguous().transpose(0, 1)), "q must be a contiguous"),
     (lambda a: a.update(seq_lens=a["seq_lens"].int()), "seq_lens must be a contiguous int64"),
     (lambda a: a.update(q_rows=a["q_rows"][:2]), "must have one length"),
@@ -113,12 +114,13 @@ def test_kernel_rejects_bad_input_with_a_message(change, message):
         call(a)
 
 
-def test_auto_is_cpu_on_a_cpu_with_float32_and_torch_native_otherwise():
+def test_auto_is_cpu_on_a_cpu_with_float32_or_bfloat16_and_torch_native_otherwise():
     assert resolve_attention_backend("auto", "cpu", torch.float32) == "cpu"
-    assert resolve_attention_backend("auto", "cpu", torch.bfloat16) == "torch_native"
-    assert resolve_attention_backend("cpu", "cpu", torch.float32) == "cpu"
-    with pytest.raises(ValueError, match="needs float32 KV pools"):
-        resolve_attention_backend("cpu", "cpu", torch.bfloat16)
+    assert resolve_attention_backend("auto", "cpu", torch.bfloat16) == "cpu"
+    assert resolve_attention_backend("auto", "cpu", torch.float16) == "torch_native"
+    assert resolve_attention_backend("cpu", "cpu", torch.bfloat16) == "cpu"
+    with pytest.raises(ValueError, match="needs float32 or bfloat16 KV pools"):
+        resolve_attention_backend("cpu", "cpu", torch.float16)
     with pytest.raises(ValueError, match="runs on a CPU"):
         resolve_attention_backend("cpu", "cuda", torch.bfloat16)
 
