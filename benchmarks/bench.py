@@ -1,6 +1,10 @@
-"""Side by side: sglite against Hugging Face transformers (static batches) on the same
-model, weights (float32), prompts and greedy settings, with sglite's feature ablations;
-writes a markdown table, a JSON file and PNG plots under benchmarks/results/.
+"""Side by side: sglite against its peers on the same model, weights, prompts and greedy
+settings: Hugging Face transformers (static batches, float32 and bfloat16) and llama.cpp
+as its users run it (llama-server with parallel slots, llama-batched-bench; F32, BF16
+and the Q4_1 GGUF as shipped; built from source once, see benchmarks/llamacpp.py),
+with sglite's feature ablations and the machine's roofline (matmul peak, read
+bandwidth, the split of a decode forward); writes a markdown table, a JSON file and PNG
+plots under benchmarks/results/.
 
     sglite bench                                  # every workload, the default ablations
     sglite bench --quick                          # small sizes: a few minutes
@@ -66,7 +70,8 @@ ABLATIONS = [
     Ablation("mixed-chunk", "sglite, mixed chunk on", {"enable_mixed_chunk": True}, workloads=("long-prompts",)),
     # the default loop is event_loop_overlap (on a CPU with the CPU graph, and on CUDA;
     # event_loop_normal on a CPU with torch_native): each ablation forces one
-    Ablation("overlap-off", "sglite, normal loop", {"disable_overlap_schedule": True}, workloads=("shared-prefix",)),
+    Ablation("overlap-off", "sglite, normal loop", {"disable_overlap_schedule": True},
+             workloads=("shared-prefix", "one-chat")),
     Ablation("overlap-on", "sglite, overlap loop", {"disable_overlap_schedule": False}, workloads=("shared-prefix",),
              default=False),
     Ablation("trace-1", "sglite, tracing level 1", {}, 1, workloads=("shared-prefix",), default=False),
@@ -74,16 +79,48 @@ ABLATIONS = [
     # on a CPU the default attention backend is cpu (decode rows read by a C++ kernel)
     Ablation("torch-native", "sglite, torch_native attention", {"attention_backend": "torch_native"},
              workloads=("random-lengths",)),
+    # --dtype auto is bfloat16 on CPUs with bfloat16 dot products: the float32 row beside it
+    Ablation("float32", "sglite, float32", {"dtype": "float32"}, workloads=("shared-prefix", "random-lengths",
+                                                                          "one-chat")),
 ]
+
+ALL_WORKLOADS = tuple(WORKLOADS)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Another engine's configuration; ``group`` is what --peers names."""
+
+    label: str
+    engine: str  # a runner of benchmarks/runners.py
+    settings: dict[str, Any]
+    workloads: tuple[str, ...]
+    group: str  # transformers, llama.cpp, llama-cpp-python
+
+
+PEERS = [
+    Peer("transformers", "transformers", {"dtype": "float32"}, ALL_WORKLOADS, "transformers"),
+    Peer("transformers, bfloat16", "transformers", {"dtype": "bfloat16"}, ("shared-prefix", "one-chat"),
+         "transformers"),
+    *[Peer(f"llama-server {t}", "llama-server", {"model_type": t}, w, "llama.cpp") for t, w in [
+        ("F32", ("shared-prefix", "random-lengths", "one-chat")), ("BF16", ALL_WORKLOADS),
+        ("Q4_1", ("shared-prefix", "one-chat"))]],
+    *[Peer(f"llama-batched-bench -pps {t}", "llama-batched-bench", {"model_type": t, "shared_prompt": True},
+           ("shared-prefix",), "llama.cpp") for t in ("F32", "BF16", "Q4_1")],
+    Peer("llama-cpp-python, one at a time (Q4_1)", "llama.cpp", {}, ("shared-prefix", "random-lengths"),
+         "llama-cpp-python"),
+]
+PEER_GROUPS = ("transformers", "llama.cpp", "llama-cpp-python")
 
 
 @dataclass
 class Run:
     workload: Workload
     label: str
-    engine: str  # sglite, transformers, llama.cpp
+    engine: str  # sglite or a peer's runner
     server_args: dict[str, Any] = dataclasses.field(default_factory=dict)
     trace_level: int = 0
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # a peer's
 
 
 # --- command line ---------------------------------------------------------------------
@@ -111,7 +148,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=None, help="requests per workload (default: the workload's)")
     p.add_argument("--quick", action="store_true", help="small sizes (8 requests, short outputs): a few minutes")
     p.add_argument("--out", default=None, metavar="DIR", help=f"where results go (default: {RESULTS_DIR})")
-    p.add_argument("--skip-baseline", action="store_true", help="run sglite only (no transformers, no llama.cpp)")
+    p.add_argument("--skip-baseline", action="store_true", help="run sglite only (no peers: same as --peers none)")
+    p.add_argument("--peers", default="all", metavar="LIST",
+                   help="peers to run: 'all' (default), 'none', or a comma list of transformers, llama.cpp (built "
+                        "from source the first time, a few minutes), llama-cpp-python (when installed)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="sglite's dtype (default auto: bfloat16 on CPUs with AVX512-BF16 or AMX, else float32; "
+                        "the float32 ablation runs beside it)")
     p.add_argument("--ablations", default="default", metavar="LIST",
                    help="'default', 'all' (every ablation on every workload), 'none', or a comma list of names, "
                         "which may include 'default': radix-off,trace-1 or default,trace-1")
@@ -121,6 +164,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads for every engine (default: torch's, "
                    "usually the number of cores)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workloads' prompts")
+    p.add_argument("--roofline", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure the machine's matmul peak and read bandwidth and put sglite's decode against "
+                        "them (about a minute; default: on, off with --quick)")
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run every configuration N times, interleaved (A, B, A, B, ...) so a machine whose speed "
                         "drifts slows every configuration alike; each row is the median run (default: 1)")
@@ -167,8 +213,18 @@ def ablation_unavailable(a: Ablation) -> str:
     return ""
 
 
-def plan(workloads: list[Workload], chosen: dict[str, str], baseline: bool,
-         llama_cpp: bool) -> tuple[list[Run], list[str]]:
+def select_peers(spec: str) -> set[str]:
+    tokens = {t.strip() for t in spec.split(",") if t.strip()}
+    unknown = tokens - set(PEER_GROUPS) - {"all", "none"}
+    if unknown:
+        raise ValueError(f"unknown peer(s) {', '.join(sorted(unknown))}; known: {', '.join(PEER_GROUPS)}, all, none")
+    if "none" in tokens:
+        return set()
+    return set(PEER_GROUPS) if "all" in tokens else tokens
+
+
+def plan(workloads: list[Workload], chosen: dict[str, str], peers: set[str],
+         dtype: str) -> tuple[list[Run], list[str]]:
     runs: list[Run] = []
     notes: list[str] = []
     ablations = [a for a in ABLATIONS if a.name in chosen]
@@ -177,7 +233,7 @@ def plan(workloads: list[Workload], chosen: dict[str, str], baseline: bool,
         if why:
             notes.append(f"ablation {a.name} skipped: {why}")
     for wl in workloads:
-        base = {"max_total_tokens": wl.pool_tokens(), **wl.server_args}
+        base = {"max_total_tokens": wl.pool_tokens(), "dtype": dtype, **wl.server_args}
         runs.append(Run(wl, "sglite", "sglite", base))
         for a in ablations:
             if ablation_unavailable(a) or not (chosen[a.name] == "every" or wl.name in a.workloads):
@@ -186,10 +242,8 @@ def plan(workloads: list[Workload], chosen: dict[str, str], baseline: bool,
             if _effective(args) == _effective(base) and not a.trace_level:
                 continue  # the workload already runs this way: the sglite row is it
             runs.append(Run(wl, a.label, "sglite", args, a.trace_level))
-        if baseline:
-            runs.append(Run(wl, "transformers", "transformers"))
-        if llama_cpp:
-            runs.append(Run(wl, "llama.cpp", "llama.cpp"))
+        runs += [Run(wl, p.label, p.engine, settings=p.settings) for p in PEERS
+                 if p.group in peers and wl.name in p.workloads]
     return runs, notes
 
 
@@ -207,6 +261,31 @@ def baseline_unavailable() -> str:
     return ""
 
 
+def available_peers(wanted: set[str], model_path: str) -> tuple[set[str], list[str]]:
+    """The wanted peer groups that can run here (building llama.cpp the first time), and
+    a note for each that cannot."""
+    peers, notes = set(wanted), []
+    if "transformers" in peers and (why := baseline_unavailable()):
+        notes.append(why)
+        peers.discard("transformers")
+    if "llama-cpp-python" in peers and importlib.util.find_spec("llama_cpp") is None:
+        peers.discard("llama-cpp-python")  # optional, not a dependency: no note
+    gguf = model_path == "smollm2-135m" or model_path.endswith(".gguf")
+    for group in ("llama.cpp", "llama-cpp-python"):
+        if group in peers and not gguf:
+            notes.append(f"{group} skipped: it needs a GGUF model")
+            peers.discard(group)
+    if "llama.cpp" in peers:
+        from benchmarks import llamacpp as llama_cpp
+
+        try:
+            llama_cpp.build()
+        except llama_cpp.BuildUnavailable as e:
+            notes.append(f"llama.cpp skipped: {e}")
+            peers.discard("llama.cpp")
+    return peers, notes
+
+
 # --- running --------------------------------------------------------------------------
 
 
@@ -216,7 +295,7 @@ def run_one(run: Run, model_path: str, threads: int, batch_sizes: list[int], pad
     spec = {"engine": run.engine, "model_path": model_path, "threads": threads, "label": run.label,
             "prompts": run.workload.prompts, "output_lens": run.workload.output_lens,
             "server_args": run.server_args, "trace_level": run.trace_level,
-            "batch_sizes": batch_sizes, "pad_id": pad_id}
+            "batch_sizes": batch_sizes, "pad_id": pad_id, **run.settings}
     spec_path, out_path = tmp / f"spec-{index}.json", tmp / f"result-{index}.json"
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
@@ -226,6 +305,15 @@ def run_one(run: Run, model_path: str, threads: int, batch_sizes: list[int], pad
     if out_path.is_file():
         return json.loads(out_path.read_text())
     return {"ok": False, "error": f"worker exited with code {proc.returncode} and wrote no result"}
+
+
+def measure_roofline(threads: int, tmp: Path) -> dict[str, Any] | None:
+    """benchmarks/roofline.py in its own process (its weights are a model's worth)."""
+    out = tmp / "roofline.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    subprocess.run([sys.executable, "-m", "benchmarks.roofline", "--threads", str(threads), "--json", str(out)],
+                   env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text()) if out.is_file() else None
 
 
 def machine_line(threads: int) -> str:
@@ -326,24 +414,98 @@ def workload_header(wl: Workload, rows: list[Row], run_args: dict[str, dict[str,
     return lines + [""]
 
 
+def _row(results: dict[str, tuple[Workload, list[Row]]], workload: str, label: str) -> Row | None:
+    rows = results[workload][1] if workload in results else []
+    return next((r for r in rows if r.label == label and r.ok), None)
+
+
+LLAMA_DTYPE = {"float32": "F32", "bfloat16": "BF16"}
+
+
+def peer_goal_lines(results: dict[str, tuple[Workload, list[Row]]], roof: dict[str, Any] | None) -> list[str]:
+    """Issue 28's goals: against llama.cpp's batched rows, and against the roofline."""
+    def mark(ok: bool) -> str:
+        return "**met**" if ok else "**NOT met**"
+
+    lines = []
+    ours = _row(results, "shared-prefix", "sglite")
+    llama = [r for r in (results.get("shared-prefix", (None, []))[1]) if r.ok and r.engine.startswith("llama-")]
+    if ours is not None and llama:
+        best = max(llama, key=lambda r: r.output_tok_s)
+        x = ours.output_tok_s / best.output_tok_s
+        line = (f"- shared-prefix: sglite ≥ 2× llama.cpp's best batched row ({best.label}, "
+                f"{best.output_tok_s:.0f} tok/s): {mark(x >= 2)} ({x:.2f}×)")
+        same = [r for r in llama if r.details.get("dtype") == LLAMA_DTYPE.get(ours.details.get("dtype", ""))]
+        if same:
+            b = max(same, key=lambda r: r.output_tok_s)
+            line += f"; first milestone, ahead of it in the same dtype ({b.label}): {mark(ours.output_tok_s > b.output_tok_s)} ({ours.output_tok_s / b.output_tok_s:.2f}×)"
+        lines.append(line)
+    ours_rl = _row(results, "random-lengths", "sglite")
+    if ours_rl is not None:
+        peer = _row(results, "random-lengths", f"llama-server {LLAMA_DTYPE.get(ours_rl.details.get('dtype', ''), 'BF16')}")
+        if peer is not None:
+            x = ours_rl.output_tok_s / peer.output_tok_s
+            lines.append(f"- random-lengths: sglite ≥ 1.5× {peer.label} at the same concurrency (all at once): "
+                         f"{mark(x >= 1.5)} ({x:.2f}×)")
+    if roof is not None:
+        one = _row(results, "one-chat", "sglite")
+        if one is not None and one.itl_p50_ms > 0:
+            f = roof["floor_ms"]["batch1_bf16_bandwidth"] / one.itl_p50_ms
+            lines.append(f"- batch-1 decode ≥ 80 % of the bf16 bandwidth floor: {mark(f >= 0.8)} ({one.itl_p50_ms:.1f} "
+                         f"ms/token, floor {roof['floor_ms']['batch1_bf16_bandwidth']:.1f} ms: {100 * f:.0f} %)")
+        big = roof["batch_big"]
+        if ours is not None and ours.itl_p50_ms > 0 and ours.num_requests >= big:
+            floor = roof["floor_ms"][f"batch{big}_bf16_matmul"]
+            f = floor / ours.itl_p50_ms
+            lines.append(f"- batch-{big} decode ≥ 50 % of the bf16 matmul floor: {mark(f >= 0.5)} (shared-prefix "
+                         f"ITL p50 {ours.itl_p50_ms:.0f} ms, floor {floor:.0f} ms: {100 * f:.0f} %)")
+    return lines
+
+
+def roofline_lines(results: dict[str, tuple[Workload, list[Row]]], roof: dict[str, Any]) -> list[str]:
+    from benchmarks.roofline import markdown as roofline_markdown
+
+    lines = ["## Roofline", "", "Measured in this run (`python -m benchmarks.roofline`; docs/benchmarks.md says how).",
+             "", *roofline_markdown(roof), "",
+             "The split of sglite's decode forwards (the CPU graph times each part; mean per forward over the run's "
+             "decode forwards) against the decode round the requests saw (ITL p50); what the forward does not "
+             "account for is sampling, the scheduler and Python:", "",
+             "| workload | decode round (ITL p50) ms | forward ms | linears | LM head | attention | norms, RoPE, SiLU "
+             "| other in the forward | outside the forward |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, (_, rows) in results.items():
+        r = next((r for r in rows if r.label == "sglite" and r.ok), None)
+        prof = r.details.get("decode_forward_profile") if r is not None else None
+        if not prof or not prof.get("runs"):
+            continue
+        per = {k: v / prof["runs"] for k, v in prof.items() if k != "runs"}
+        fwd = sum(per.values())
+        parts = [per[k] for k in ("linear_ms", "lm_head_ms", "attention_ms", "norm_rope_act_ms", "other_ms")]
+        lines.append(f"| {name} | {r.itl_p50_ms:.1f} | {fwd:.1f} | " + " | ".join(f"{v:.1f}" for v in parts)
+                     + f" | {max(0.0, r.itl_p50_ms - fwd):.1f} |")
+    return lines + [""]
+
+
 def write_document(results: dict[str, tuple[Workload, list[Row]]], run_args: dict[str, dict[str, dict[str, Any]]],
-                   out_dir: Path, stem: str, command: str, threads: int, quick: bool, notes: list[str]) -> Path:
+                   out_dir: Path, stem: str, command: str, threads: int, quick: bool, notes: list[str],
+                   roof: dict[str, Any] | None = None) -> Path:
     plots, plot_note = write_plots(results, out_dir, stem)
     date = datetime.date.today().isoformat()
     commit = git_commit()
     lines = [
-        f"# sglite vs transformers{' (quick run)' if quick else ''}, {date}", "",
+        f"# sglite vs transformers and llama.cpp{' (quick run)' if quick else ''}, {date}", "",
         f"Machine: {machine_line(threads)}.", "",
         "```", f"$ {command}", "```", "",
         f"sglite {commit}. " if commit else "",
         "Every request of a workload is submitted at once; greedy (temperature 0) with EOS ignored, so every "
-        "engine generates exactly each request's output length; the same float32 weights (the GGUF, dequantized); "
-        "the same number of torch threads; each configuration in its own process, after a warm-up. "
-        "'greedy = transformers' counts requests whose output ids equal transformers' exactly. "
+        "engine generates exactly each request's output length; the same weights (the GGUF, dequantized, in the "
+        "dtype a row names: sglite's main row runs --dtype auto; llama.cpp's F32 and BF16 files are the same "
+        "weights requantized); the same number of threads; each configuration in its own process, after a "
+        "warm-up. 'greedy = transformers' counts requests whose output ids equal those of transformers in the "
+        "row's dtype (float32 where transformers did not run that dtype) exactly. "
         "[docs/benchmarks.md](../../docs/benchmarks.md) defines every column.",
         "",
     ]
-    goals = goal_lines(results, quick)
+    goals = goal_lines(results, quick) + peer_goal_lines(results, roof)
     if goals:
         lines += ["Goals:", "", *goals, ""]
     for name, (wl, rows) in results.items():
@@ -353,13 +515,15 @@ def write_document(results: dict[str, tuple[Workload, list[Row]]], run_args: dic
         lines.append("")
     if plots:
         lines += [f"![throughput]({plots[0].name})", ""]
+    if roof is not None:
+        lines += roofline_lines(results, roof)
     for note in notes + ([plot_note] if plot_note else []):
         lines.append(f"- {note}")
     path = out_dir / f"{stem}.md"
     path.write_text("\n".join(ln for ln in lines).replace("\n\n\n", "\n\n") + "\n")
     data = {
         "date": date, "command": command, "machine": machine_line(threads), "commit": commit, "quick": quick,
-        "notes": notes + ([plot_note] if plot_note else []), "plots": [p.name for p in plots],
+        "notes": notes + ([plot_note] if plot_note else []), "plots": [p.name for p in plots], "roofline": roof,
         "workloads": {name: {"title": wl.title, "num_requests": wl.num_requests,
                              "total_prompt_tokens": wl.total_prompt_tokens,
                              "distinct_prompt_tokens": wl.distinct_prompt_tokens,
@@ -384,6 +548,7 @@ def check_args(args: argparse.Namespace) -> list[int]:
             raise ValueError(f"{flag} must be at least 1, got {value}")
     check_model_path(args.model_path)
     select_ablations(args.ablations)
+    select_peers(args.peers)
     if not args.hf_batch_sizes:
         return list(HF_BATCH_SIZES_QUICK if args.quick else HF_BATCH_SIZES)
     try:
@@ -406,15 +571,14 @@ def run(args: argparse.Namespace, prog: str = "python benchmarks/bench.py", argv
     chosen = select_ablations(args.ablations)
     threads = args.threads or torch.get_num_threads()
     notes: list[str] = []
-    baseline = not args.skip_baseline
-    if baseline and (why := baseline_unavailable()):
-        say(f"note: {why}")
-        notes.append(why)
-        baseline = False
-    llama_cpp = not args.skip_baseline and importlib.util.find_spec("llama_cpp") is not None
-    if llama_cpp and not (args.model_path == "smollm2-135m" or args.model_path.endswith(".gguf")):
-        notes.append("llama.cpp skipped: it needs a GGUF model")
-        llama_cpp = False
+    from sglite.model_executor.model_runner import resolve_dtype
+    from sglite.server_args import resolve_device
+
+    dtype = str(resolve_dtype(args.dtype, resolve_device("auto"))).removeprefix("torch.")
+    peers, peer_notes = available_peers(set() if args.skip_baseline else select_peers(args.peers), args.model_path)
+    for n in peer_notes:
+        say(f"note: {n}")
+    notes += peer_notes
 
     try:
         model = load_model(args.model_path)  # downloads / converts once, before anything is timed
@@ -428,7 +592,7 @@ def run(args: argparse.Namespace, prog: str = "python benchmarks/bench.py", argv
         return 1
     workloads = [build_workload(n, tok, cfg.vocab_size, cfg.context_len, args.requests, args.quick, args.seed)
                  for n in names]
-    runs, plan_notes = plan(workloads, chosen, baseline, llama_cpp)
+    runs, plan_notes = plan(workloads, chosen, peers, dtype)
     notes += plan_notes
     pad_id = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
 
@@ -436,7 +600,7 @@ def run(args: argparse.Namespace, prog: str = "python benchmarks/bench.py", argv
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = "-".join(["bench"] + (["quick"] if args.quick else []) +
                     (names if len(names) < len(WORKLOADS) else []) + [datetime.date.today().isoformat()])
-    say(f"sglite bench: model {args.model_path}, {threads} torch threads, {len(runs)} runs:")
+    say(f"sglite bench: model {args.model_path} ({dtype}), {threads} torch threads, {len(runs)} runs:")
     for wl in workloads:
         say(f"  {wl.name}: " + ", ".join(r.label for r in runs if r.workload is wl))
     for n in plan_notes:
@@ -466,9 +630,16 @@ def run(args: argparse.Namespace, prog: str = "python benchmarks/bench.py", argv
         results[r.workload.name][1].append(median_run(runs_of[id(r)]))
     for wl, rows in results.values():
         compare_to_baseline(rows, next((r for r in rows if r.engine == "transformers"), None))
+    roof = None
+    if args.roofline if args.roofline is not None else not args.quick:
+        say(f"roofline: the machine's matmul peak and read bandwidth ({time.monotonic() - tic:.0f} s so far)")
+        with tempfile.TemporaryDirectory(prefix="sglite-roofline-") as roof_tmp:
+            roof = measure_roofline(threads, Path(roof_tmp))
+        if roof is None:
+            notes.append("roofline: the measurement failed (see the bench's output)")
 
     command = " ".join([prog, *map(shlex.quote, argv if argv is not None else sys.argv[1:])])
-    path = write_document(results, run_args, out_dir, stem, command.strip(), threads, args.quick, notes)
+    path = write_document(results, run_args, out_dir, stem, command.strip(), threads, args.quick, notes, roof)
     print(path.read_text())
     say(f"wrote {path} (+ .json and plots) in {(time.monotonic() - tic) / 60:.1f} min")
     return 0 if all(r.ok for _, rows in results.values() for r in rows) else 1

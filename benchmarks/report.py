@@ -60,7 +60,8 @@ def summarize(label: str, engine: str, wl: Workload, res: dict[str, Any]) -> Row
         return Row(label, engine, False, error=res.get("error", "no result"), num_requests=wl.num_requests)
     wall = res["wall_s"]
     computed, hits = res.get("prefill_computed"), res.get("cache_hit_tokens")
-    lengths_ok = [len(o) for o in res["output_ids"]] == wl.output_lens
+    # a tool that prints no output ids (llama-batched-bench) runs prompts of its own
+    lengths_ok = res["output_ids"] is None or [len(o) for o in res["output_ids"]] == wl.output_lens
     return Row(
         label, engine, True, wall_s=wall,
         output_tok_s=wl.total_output_tokens / wall,
@@ -71,7 +72,7 @@ def summarize(label: str, engine: str, wl: Workload, res: dict[str, Any]) -> Row
         prefill_ratio=computed / wl.distinct_prompt_tokens if computed is not None else None,
         cache_hit_rate=hits / (hits + computed) if hits is not None and computed else None,
         peak_rss_mb=res["peak_rss_mb"], num_requests=wl.num_requests, lengths_ok=lengths_ok,
-        details=res.get("details", {}), ttft_s=res["ttft_s"], itl_s=res["itl_s"], output_ids=res["output_ids"],
+        details=res.get("details", {}), ttft_s=res["ttft_s"], itl_s=res["itl_s"], output_ids=res["output_ids"] or [],
     )
 
 
@@ -89,15 +90,24 @@ def median_run(runs: list[Row]) -> Row:
     return row
 
 
+# a row's dtype as transformers names it (llama.cpp's files by their GGML type)
+_DTYPE = {"F32": "float32", "BF16": "bfloat16"}
+
+
 def compare_to_baseline(rows: list[Row], baseline: Row | None) -> None:
-    """Fill 'vs transformers' and 'greedy = transformers' (requests whose output ids
-    equal the baseline's exactly) for every other row."""
+    """Fill 'vs transformers' (output throughput / the baseline's) and 'greedy =
+    transformers' (requests whose output ids equal exactly those of the transformers row
+    in the row's dtype, else the baseline's) for every other row with output ids."""
     if baseline is None or not baseline.ok:
         return
+    hf = {r.details.get("dtype", "float32"): r for r in rows if r.ok and r.engine == "transformers"}
     for row in rows:
         if row.ok and row is not baseline:
             row.vs_baseline = row.output_tok_s / baseline.output_tok_s
-            row.greedy_matches = sum(a == b for a, b in zip(row.output_ids, baseline.output_ids))
+            dtype = row.details.get("dtype", "float32")
+            ref = hf.get(_DTYPE.get(dtype, dtype), baseline)
+            if row.output_ids and ref is not row:
+                row.greedy_matches = sum(a == b for a, b in zip(row.output_ids, ref.output_ids))
 
 
 # --- markdown -------------------------------------------------------------------------
@@ -119,7 +129,8 @@ def row_cells(r: Row) -> list[str]:
         label += " (runs made different outputs!)"
     return [
         label, f"{r.output_tok_s:.1f}", f"{r.total_tok_s:.1f}",
-        "1.00×" if r.engine == "transformers" else (_f(r.vs_baseline, ".2f") + ("×" if r.vs_baseline else "")),
+        "1.00×" if r.engine == "transformers" and r.vs_baseline is None
+        else (_f(r.vs_baseline, ".2f") + ("×" if r.vs_baseline else "")),
         f"{r.ttft_p50:.2f} / {r.ttft_p99:.2f}", f"{r.itl_p50_ms:.0f} / {r.itl_p99_ms:.0f}",
         _f(r.prefill_computed, ",d"), ratio,
         "—" if r.cache_hit_rate is None else f"{100 * r.cache_hit_rate:.0f} %",

@@ -13,6 +13,7 @@ Measured in the calling process, so every ``sglite bench`` result carries its ow
   the read bandwidth (the weights read once).
 
     python -m benchmarks.roofline            # prints the table (about a minute)
+    python -m benchmarks.roofline --json r.json
 """
 
 from __future__ import annotations
@@ -98,19 +99,19 @@ KINDS = ("F.linear fp32", "F.linear bf16", "oneDNN prepacked bf16", "sglite pack
 def measure(config: dict[str, int] | None = None, batches: tuple[int, ...] = (1, 64),
             kinds: tuple[str, ...] = KINDS, say: Callable[[str], None] = print) -> dict[str, Any]:
     shapes = Shapes.of(config or SMOLLM2)
-    step_ms: dict[str, dict[int, float]] = {}
+    step_ms: dict[str, dict[str, float]] = {}  # kind -> batch (as a string: JSON keys) -> ms
     for kind in kinds:
         step_ms[kind] = {}
         for b in batches:
             try:
-                step_ms[kind][b] = _best_ms(_step_fn(kind, shapes, b), reps=2 if b > 1 else 5)
+                step_ms[kind][str(b)] = _best_ms(_step_fn(kind, shapes, b), reps=2 if b > 1 else 5)
             except (RuntimeError, ImportError) as e:  # no oneDNN, no compiler: say so, go on
                 say(f"roofline: {kind} at batch {b} unavailable: {str(e).splitlines()[0][:120]}")
     bw = read_bandwidth_gbs()
     big = max(batches)
 
     def peak(kinds_: tuple[str, ...]) -> float:
-        ms = [step_ms[k][big] for k in kinds_ if big in step_ms.get(k, {})]
+        ms = [step_ms[k][str(big)] for k in kinds_ if str(big) in step_ms.get(k, {})]
         return shapes.flops(big) / (min(ms) * 1e-3) / 1e9 if ms else float("nan")
 
     # the peak is the best any path reached (sglite's own kernel included)
@@ -134,14 +135,27 @@ def markdown(r: dict[str, Any]) -> list[str]:
              f"{fl[f'batch{big}_bf16_matmul']:.1f} ms (bf16 matmul peak)", "",
              f"| one decode step's linears | batch 1 ms | batch {big} ms |", "|---|---:|---:|"]
     for kind, ms in r["step_ms"].items():
-        cells = [f"{ms[b]:.1f}" if b in ms else "n/a" for b in (1, big)]
+        cells = [f"{ms[str(b)]:.1f}" if str(b) in ms else "n/a" for b in (1, big)]
         lines.append(f"| {kind} | {cells[0]} | {cells[1]} |")
     return lines
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.roofline", description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the numbers as JSON")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print("\n".join(markdown(measure())))
+    r = measure()
+    print("\n".join(markdown(r)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
     return 0
 
 

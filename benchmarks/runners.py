@@ -1,7 +1,8 @@
 """One benchmark configuration, run in its own process so that its peak memory is its
 own: ``python -m benchmarks.runners SPEC.json RESULT.json``.
 
-A spec names the engine (sglite, transformers or llama.cpp), the model, the prompts
+A spec names the engine (sglite, transformers, llama-server, llama-batched-bench, or
+llama-cpp-python), the model, the prompts
 (token ids) and output lengths, and the engine's settings. Every engine loads the
 model, warms up on a small batch, then runs the whole workload once, timed; the result
 holds each request's output ids, its time to first token, the gaps between its tokens,
@@ -135,6 +136,10 @@ def run_sglite(spec: dict[str, Any], say: Say) -> dict[str, Any]:
                                model=spec["model_path"])
     obs = _Observer(Progress(spec["label"], len(prompts), sum(output_lens)))
     unsubscribe = engine.event_bus.subscribe(obs)
+    runner = engine.scheduler.tp_worker.model_runner
+    graph = runner.cpu_graph_runner.graph if runner.cpu_graph_runner is not None else None
+    if graph is not None:
+        graph.set_profiling(True)  # the split of a decode forward (a few clock reads per layer)
     params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in output_lens]
     rids = [f"b{i}" for i in range(len(prompts))]
     t0 = time.monotonic()
@@ -156,15 +161,16 @@ def run_sglite(spec: dict[str, Any], say: Say) -> dict[str, Any]:
         "prefill_computed": obs.prefill_computed,
         "cache_hit_tokens": obs.cache_hit_tokens,
         "details": {"retracted": obs.retracted, "kv_pool_tokens": engine.scheduler.max_total_num_tokens,
-                    "attention_backend": engine.scheduler.tp_worker.model_runner.attn_backend.name},
+                    "attention_backend": runner.attn_backend.name, "dtype": str(runner.dtype).removeprefix("torch."),
+                    "decode_forward_profile": graph.profile() if graph is not None else None},
     }
 
 
 # --- Hugging Face transformers -----------------------------------------------------------
 
 
-def load_transformers_model(model_path: str) -> Any:
-    """The same weights as sglite's, in float32: the GGUF through transformers' own
+def load_transformers_model(model_path: str, dtype: str = "float32") -> Any:
+    """The same weights as sglite's, in ``dtype``: the GGUF through transformers' own
     loader (as tests/test_real_model.py does), or tiny-random's tensors."""
     import torch
     import transformers
@@ -183,7 +189,7 @@ def load_transformers_model(model_path: str) -> Any:
             tie_word_embeddings=cfg.tie_word_embeddings, eos_token_id=cfg.eos_token_ids[0])
         model = transformers.LlamaForCausalLM(hf_cfg)
         model.load_state_dict(weights, strict=True)
-        return model.eval()
+        return model.to(getattr(torch, dtype)).eval()
     if model_path == "smollm2-135m":
         from sglite.model_loader.registry import resolve_smollm2_gguf
 
@@ -191,10 +197,10 @@ def load_transformers_model(model_path: str) -> Any:
     else:
         path = Path(model_path).expanduser()
     if path.is_dir():
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                  dtype=torch.float32)
+                                                                  dtype=getattr(torch, dtype))
     return model.eval()
 
 
@@ -271,7 +277,7 @@ def run_transformers(spec: dict[str, Any], say: Say) -> dict[str, Any]:
 
     torch.set_num_threads(spec["threads"])
     tic = time.perf_counter()
-    model = load_transformers_model(spec["model_path"])
+    model = load_transformers_model(spec["model_path"], spec.get("dtype", "float32"))
     load_s = time.perf_counter() - tic
     pad_id = spec.get("pad_id", 0)
     gc = _greedy_config(model, pad_id)
@@ -309,11 +315,30 @@ def run_transformers(spec: dict[str, Any], say: Say) -> dict[str, Any]:
     return {
         "wall_s": offset, "load_s": load_s, "output_ids": output_ids, "ttft_s": ttft, "itl_s": gaps,
         "prefill_computed": sum(r["padded_prompt_tokens"] for r in batches), "cache_hit_tokens": None,
-        "details": {"batch_size": best, "sweep_tok_s": {str(k): v for k, v in sweep.items()}},
+        "details": {"batch_size": best, "sweep_tok_s": {str(k): v for k, v in sweep.items()},
+                    "dtype": spec.get("dtype", "float32")},
     }
 
 
-# --- llama.cpp (optional; llama-cpp-python is not a dependency) --------------------------
+# --- llama.cpp ---------------------------------------------------------------------------
+
+
+def run_llama_server(spec: dict[str, Any], say: Say) -> dict[str, Any]:
+    from benchmarks import llamacpp as llama_cpp
+
+    progress = Progress(spec["label"], len(spec["prompts"]), sum(spec["output_lens"]))
+    res = llama_cpp.run_server(spec, say, lambda reqs, toks: progress.update(reqs, toks))
+    progress.update(len(spec["prompts"]), sum(spec["output_lens"]), force=True)
+    return res
+
+
+def run_llama_batched_bench(spec: dict[str, Any], say: Say) -> dict[str, Any]:
+    from benchmarks import llamacpp as llama_cpp
+
+    return llama_cpp.run_batched_bench(spec, say)
+
+
+# llama-cpp-python (optional; not a dependency): one request after the other
 
 
 def run_llama_cpp(spec: dict[str, Any], say: Say) -> dict[str, Any]:
@@ -353,10 +378,11 @@ def run_llama_cpp(spec: dict[str, Any], say: Say) -> dict[str, Any]:
         progress.update(i + 1, sum(output_lens[: i + 1]), force=i + 1 == len(prompts))
     return {"wall_s": time.monotonic() - t0, "load_s": load_s, "output_ids": output_ids, "ttft_s": ttft,
             "itl_s": gaps, "prefill_computed": None, "cache_hit_tokens": None,
-            "details": {"weights": "GGUF as stored (quantized)"}}
+            "details": {"weights": "GGUF as stored (quantized)", "dtype": "Q4_1"}}
 
 
-RUNNERS = {"sglite": run_sglite, "transformers": run_transformers, "llama.cpp": run_llama_cpp}
+RUNNERS = {"sglite": run_sglite, "transformers": run_transformers, "llama.cpp": run_llama_cpp,
+           "llama-server": run_llama_server, "llama-batched-bench": run_llama_batched_bench}
 
 
 def run_spec(spec: dict[str, Any]) -> dict[str, Any]:

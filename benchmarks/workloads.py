@@ -238,10 +238,21 @@ def _long(tok: TokenizerLike, vocab: int, n: int | None, quick: bool, seed: int)
     return long_prompts(tok, vocab, n or 6, (1024, 2048), 32, (32, 96), 64, seed)
 
 
+def _one_chat(tok: TokenizerLike, vocab: int, n: int | None, quick: bool, seed: int) -> Workload:
+    """The latency row: one chat of the shared-prefix kind alone (its TTFT, and its ITL
+    = the batch-1 decode time per token)."""
+    wl = shared_prefix(tok, vocab, n or 1, 16 if quick else 64, seed)
+    wl.name, wl.title = "one-chat", f"{wl.num_requests} chat request(s) alone: the time to first token and the " \
+                                    f"batch-1 decode time per token (ITL)"
+    return wl
+
+
 WORKLOADS: dict[str, WorkloadSpec] = {w.name: w for w in [
     WorkloadSpec("shared-prefix", "64 chats sharing a 300-token system prompt, 64 new tokens each", _shared),
     WorkloadSpec("random-lengths", "32 requests, random inputs 50-500 and outputs 20-200 tokens", _random),
     WorkloadSpec("long-prompts", "3 documents of 1024-2048 tokens interleaved with 3 short chats", _long),
+    WorkloadSpec("one-chat", "one chat of the shared-prefix kind alone, 64 new tokens: TTFT and batch-1 decode",
+                 _one_chat),
 ]}
 
 

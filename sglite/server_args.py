@@ -62,8 +62,8 @@ class ServerArgs:
     attention_backend: str = _opt(
         "auto", "cpu, torch_native or triton (auto: triton on CUDA; on a CPU, cpu when its C++ kernels compile, "
         "else torch_native). cpu is torch_native with decode rows read straight from the KV pool by a C++ kernel, "
-        "and RMSNorm, SiLU-and-mul and RoPE in C++ (built on first use, float32). triton runs them as fused Triton "
-        "kernels; on CPU it needs TRITON_INTERPRET=1 (tests)",
+        "and RMSNorm, SiLU-and-mul and RoPE in C++ (built on first use; float32 or bfloat16, whose linears run "
+        "packed). triton runs them as fused Triton kernels; on CPU it needs TRITON_INTERPRET=1 (tests)",
         choices=("auto", "cpu", "torch_native", "triton"))
     disable_cuda_graph: bool = _opt(False, "do not capture decode in CUDA graphs (CUDA with the triton backend only)")
     cuda_graph_max_bs: int | None = _opt(None, "largest decode batch captured in a CUDA graph; larger batches run "
@@ -128,7 +128,8 @@ class ServerArgs:
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
 
     def _cpu_graph_expected(self) -> bool:
-        """Whether decode forwards on a CPU will run as the CPU graph (the cpu backend, float32).
+        """Whether decode forwards on a CPU will run as the CPU graph (the cpu backend,
+        float32 or bfloat16).
         auto falls back to torch_native where the kernels cannot build; the overlap loop
         is then still correct, only no faster."""
         return (self.attention_backend in ("auto", "cpu") and self.dtype in ("auto", "float32", "bfloat16")

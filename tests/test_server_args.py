@@ -17,13 +17,14 @@ def parse(*argv: str) -> ServerArgs:
 def test_the_loop_defaults_by_device_and_backend():
     """event_loop_overlap on CUDA and on a CPU whose decode forwards run as the CPU graph
     (one GIL-free call); event_loop_normal on a CPU whose forwards take turns with the
-    scheduler on the GIL (torch_native, triton, --disable-cpu-graph, a non-float32 pool)."""
+    scheduler on the GIL (torch_native, triton, --disable-cpu-graph, a float16 pool)."""
     assert ServerArgs(device="cpu").disable_overlap_schedule is False
+    assert ServerArgs(device="cpu", dtype="bfloat16").disable_overlap_schedule is False
     assert ServerArgs(device="cpu", attention_backend="cpu").disable_overlap_schedule is False
     assert ServerArgs(device="cuda").disable_overlap_schedule is False
     assert ServerArgs().disable_overlap_schedule is False
     for kw in ({"attention_backend": "torch_native"}, {"attention_backend": "triton"}, {"disable_cpu_graph": True},
-               {"dtype": "bfloat16"}):
+               {"dtype": "float16"}):
         assert ServerArgs(device="cpu", **kw).disable_overlap_schedule is True, kw
     assert ServerArgs(device="cuda", attention_backend="torch_native").disable_overlap_schedule is False
     assert ServerArgs(device="cpu", disable_overlap_schedule=False).disable_overlap_schedule is False

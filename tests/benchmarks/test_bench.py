@@ -48,7 +48,8 @@ def test_full_size_workloads(tiny_tokenizer):
 
 def test_bench_end_to_end_on_tiny_random(tmp_path):
     argv = ["--model-path", "tiny-random", "--quick", "--workload", "shared-prefix", "--requests", "4",
-            "--ablations", "radix-off,trace-2", "--hf-batch-sizes", "2,4", "--out", str(tmp_path)]
+            "--ablations", "radix-off,trace-2", "--hf-batch-sizes", "2,4", "--peers", "transformers",
+            "--out", str(tmp_path)]
     if not HAS_TRANSFORMERS:
         argv.append("--skip-baseline")
     assert bench.main(argv) == 0
@@ -146,6 +147,7 @@ def test_cli_help_lists_workloads_and_options(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     out = capsys.readouterr().out
-    for word in ("shared-prefix", "random-lengths", "long-prompts", "--quick", "--skip-baseline", "--ablations",
+    for word in ("shared-prefix", "random-lengths", "long-prompts", "one-chat", "--quick", "--skip-baseline",
+                 "--peers", "--dtype", "--roofline", "--ablations",
                  "--requests", "--out", "radix-off", "trace-2"):
         assert word in out

@@ -15,8 +15,9 @@ benchmarks/cpu_attention.py --shared-prefix 300``). So every decode forward on t
 backend attends with the kernel alone, which lets ``model_executor/cpu_graph_runner.py``
 run all of them.
 
-float32 pools only (what a CPU engine runs by default); ``resolve_attention_backend``
-picks this backend for ``--attention-backend auto`` on a CPU when the kernel builds.
+float32 or bfloat16 pools (the kernel computes in float32 either way);
+``resolve_attention_backend`` picks this backend for ``--attention-backend auto`` on a
+CPU when the kernel builds.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
 // The Python module of sglite's CPU kernels (sglite/layers/cpu_ops/__init__.py).
+#include <pybind11/stl.h>
 #include <torch/extension.h>
 
 #include "kernels.h"
@@ -31,5 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", &DecodeGraph::run, "logits [bs, vocab] of one decode row per request", py::arg("input_ids"),
            py::arg("positions"), py::arg("out_cache_loc"), py::arg("req_to_token"), py::arg("req_pool_indices"),
            py::arg("seq_lens"), release())
+      .def("set_profiling", &DecodeGraph::set_profiling, "time every run by category from now on (True), or stop",
+           py::arg("on"))
+      .def("profile", &DecodeGraph::profile, "ms per category since set_profiling(True), and the runs counted")
       .def_property_readonly("num_layers", &DecodeGraph::num_layers);
 }

@@ -17,6 +17,10 @@
 #include <limits>
 #include <vector>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using sglite::to_f32;
@@ -36,6 +40,52 @@ struct Problem {
   float scale;
 };
 
+#ifdef __AVX512F__
+// 16 elements as float32: loaded, or widened from bfloat16 (its bits are a float's top half)
+inline __m512 load16(const float* v) { return _mm512_loadu_ps(v); }
+inline __m512 load16(const uint16_t* v) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// scores[g * L + t] = scale * q_g . k_t for the G query heads (float32 in qf) of one KV
+// head: each K row is read and widened once for all G heads; returns nothing, fills top
+template <int64_t kD, class T>
+void scores_avx512(const float* qf, const T* k_buf, const int64_t* slots, int64_t slot_stride, int64_t L,
+                   int64_t G, float scale, float* scores, float* top) {
+  constexpr int64_t C = kD / 16;
+  for (int64_t t = 0; t < L; ++t) {
+    const T* kp = k_buf + slots[t] * slot_stride;
+    __m512 k[C];
+    for (int64_t c = 0; c < C; ++c) k[c] = load16(kp + 16 * c);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qf + g * kD), k[0]);
+      for (int64_t c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * kD + 16 * c), k[c], acc);
+      const float s = _mm512_reduce_add_ps(acc) * scale;
+      scores[g * L + t] = s;
+      top[g] = std::max(top[g], s);
+    }
+  }
+}
+
+// acc[g] += sum_t w[g, t] v_t: each V row read and widened once for all G heads
+template <int64_t kD, class T>
+void values_avx512(const float* scores, const T* v_buf, const int64_t* slots, int64_t slot_stride, int64_t L,
+                   int64_t G, float* acc) {
+  constexpr int64_t C = kD / 16;
+  for (int64_t t = 0; t < L; ++t) {
+    const T* vp = v_buf + slots[t] * slot_stride;
+    __m512 v[C];
+    for (int64_t c = 0; c < C; ++c) v[c] = load16(vp + 16 * c);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(scores[g * L + t]);
+      float* a = acc + g * kD;
+      for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(w, v[c], _mm512_loadu_ps(a + 16 * c)));
+    }
+  }
+}
+#endif
+
 // kD > 0: head_dim fixed at compile time; kD == 0: head_dim = d_runtime
 template <int64_t kD, class T>
 void decode_attention_impl(const Problem<T>& p, int64_t d_runtime) {
@@ -52,6 +102,14 @@ void decode_attention_impl(const Problem<T>& p, int64_t d_runtime) {
       for (int64_t i = 0; i < G * D; ++i) qf[i] = to_f32(qh[i]);
       scores.resize(G * L);
       std::fill(top.begin(), top.end(), -std::numeric_limits<float>::infinity());
+#ifdef __AVX512F__
+      constexpr bool kVector = kD > 0 && kD % 16 == 0;
+#else
+      constexpr bool kVector = false;
+#endif
+      if constexpr (kVector) {
+        scores_avx512<kD>(qf.data(), p.k_buf + kh * D, slots, slot_stride, L, G, p.scale, scores.data(), top.data());
+      } else {
       for (int64_t t = 0; t < L; ++t) {
         const T* kp = p.k_buf + slots[t] * slot_stride + kh * D;
         for (int64_t g = 0; g < G; ++g) {
@@ -63,6 +121,7 @@ void decode_attention_impl(const Problem<T>& p, int64_t d_runtime) {
           scores[g * L + t] = s;
           top[g] = std::max(top[g], s);
         }
+      }
       }
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * L;
@@ -76,6 +135,9 @@ void decode_attention_impl(const Problem<T>& p, int64_t d_runtime) {
         sum[g] = total;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
+      if constexpr (kVector) {
+        values_avx512<kD>(scores.data(), p.v_buf + kh * D, slots, slot_stride, L, G, acc.data());
+      } else {
       for (int64_t t = 0; t < L; ++t) {
         const T* vp = p.v_buf + slots[t] * slot_stride + kh * D;
         for (int64_t g = 0; g < G; ++g) {
@@ -84,6 +146,7 @@ void decode_attention_impl(const Problem<T>& p, int64_t d_runtime) {
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) ag[d] += w * to_f32(vp[d]);
         }
+      }
       }
       T* oh = p.out + p.q_rows[r] * p.H * D + kh * G * D;
       for (int64_t g = 0; g < G; ++g) {

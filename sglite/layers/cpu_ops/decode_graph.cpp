@@ -18,6 +18,8 @@
 //
 // The graph holds the model's parameters and the KV pool's per-layer buffers (the same
 // storage, not copies), handed over once by add_layer.
+#include <chrono>
+
 #include "common.h"
 #include "kernels.h"
 
@@ -111,10 +113,20 @@ torch::Tensor DecodeGraph::run(const torch::Tensor& input_ids, const torch::Tens
     TORCH_CHECK(loc[i] >= 0 && loc[i] < slots, "out_cache_loc holds a slot outside the KV pool");
   }
   at::NoGradGuard no_grad;  // the parameters require grad; nothing here may record a graph
+  // with profiling on, the time since the last lap goes to the category named: the
+  // categories add up to the whole call
+  auto last = std::chrono::steady_clock::now();
+  auto lap = [&](Phase phase) {
+    if (!profiling_) return;
+    const auto now = std::chrono::steady_clock::now();
+    profile_ms_[phase] += std::chrono::duration<double, std::milli>(now - last).count();
+    last = now;
+  };
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   const torch::Tensor q_rows = torch::arange(n, input_ids.options());
 
   torch::Tensor hidden = at::embedding(embed_, input_ids);
+  lap(kOther);
   torch::Tensor residual;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& L = layers_[i];
@@ -127,8 +139,10 @@ torch::Tensor DecodeGraph::run(const torch::Tensor& input_ids, const torch::Tens
       fused_add_rmsnorm(hidden, residual, L.input_norm, sum, x, eps_);
       residual = sum;
     }
+    lap(kPointwise);
     // attention: qkv projection, RoPE on q and k, K/V into the pool, paged decode attention
     const torch::Tensor qkv = linear(x, L.qkv, L.qkv_bias, q_size + 2 * kv_size);
+    lap(kLinear);
     const torch::Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads_, head_dim_});
     const torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads_, head_dim_});
     const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads_, head_dim_});
@@ -136,24 +150,47 @@ torch::Tensor DecodeGraph::run(const torch::Tensor& input_ids, const torch::Tens
     torch::Tensor k_rot = torch::empty({n, num_kv_heads_, head_dim_}, hidden.options());
     rope_neox(positions, q, L.cos_sin, q_rot);
     rope_neox(positions, k, L.cos_sin, k_rot);
+    lap(kPointwise);
     torch::Tensor k_buf = L.k_buf, v_buf = L.v_buf;  // handles to the pool's storage
     k_buf.index_put_({out_cache_loc}, k_rot);
     v_buf.index_put_({out_cache_loc}, v);
     torch::Tensor attn = torch::empty({n, num_heads_, head_dim_}, hidden.options());
+    lap(kOther);
     decode_attention(q_rot, L.k_buf, L.v_buf, req_to_token, q_rows, req_pool_indices, seq_lens, attn, scaling_);
+    lap(kAttention);
     hidden = linear(attn.view({n, q_size}), L.o, std::nullopt, hidden_);
+    lap(kLinear);
     // MLP
     torch::Tensor sum = torch::empty_like(hidden);
     x = torch::empty_like(hidden);
     fused_add_rmsnorm(hidden, residual, L.post_norm, sum, x, eps_);
     residual = sum;
+    lap(kPointwise);
     const torch::Tensor gate_up = linear(x, L.gate_up, std::nullopt, 2 * L.intermediate);
+    lap(kLinear);
     torch::Tensor act = torch::empty({n, L.intermediate}, hidden.options());
     silu_and_mul(gate_up, act);
+    lap(kPointwise);
     hidden = linear(act, L.down, std::nullopt, hidden_);
+    lap(kLinear);
   }
   torch::Tensor sum = torch::empty_like(hidden), x = torch::empty_like(hidden);
   fused_add_rmsnorm(hidden, residual, final_norm_, sum, x, eps_);
-  if (packed_) return weight_packed_linear(x, lm_head_, std::nullopt, vocab_, true);
-  return at::matmul(x, lm_head_.t()).to(torch::kFloat32);
+  lap(kPointwise);
+  torch::Tensor logits = packed_ ? weight_packed_linear(x, lm_head_, std::nullopt, vocab_, true)
+                                 : at::matmul(x, lm_head_.t()).to(torch::kFloat32);
+  lap(kLmHead);
+  if (profiling_) profile_ms_[kRuns] += 1;
+  return logits;
+}
+
+void DecodeGraph::set_profiling(bool on) {
+  profiling_ = on;
+  profile_ms_.fill(0.0);
+}
+
+std::map<std::string, double> DecodeGraph::profile() const {
+  return {{"linear_ms", profile_ms_[kLinear]},   {"lm_head_ms", profile_ms_[kLmHead]},
+          {"attention_ms", profile_ms_[kAttention]}, {"norm_rope_act_ms", profile_ms_[kPointwise]},
+          {"other_ms", profile_ms_[kOther]},     {"runs", profile_ms_[kRuns]}};
 }

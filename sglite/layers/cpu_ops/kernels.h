@@ -5,7 +5,10 @@
 
 #include <torch/extension.h>
 
+#include <array>
+#include <map>
 #include <optional>
+#include <string>
 #include <vector>
 
 // decode_attention.cpp
@@ -40,6 +43,10 @@ class DecodeGraph {
                     const torch::Tensor& out_cache_loc, const torch::Tensor& req_to_token,
                     const torch::Tensor& req_pool_indices, const torch::Tensor& seq_lens) const;
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  // time per category over the runs since set_profiling(true) (the bench's split of a
+  // decode forward): linear_ms, lm_head_ms, attention_ms, norm_rope_act_ms, other_ms, runs
+  void set_profiling(bool on);
+  std::map<std::string, double> profile() const;
 
  private:
   struct Layer {
@@ -56,5 +63,8 @@ class DecodeGraph {
   int64_t num_heads_, num_kv_heads_, head_dim_, hidden_ = 0, vocab_ = 0;
   double eps_, scaling_;
   bool packed_;  // bfloat16 with packed linear weights (gemm.cpp)
+  enum Phase { kLinear, kLmHead, kAttention, kPointwise, kOther, kRuns };
+  bool profiling_ = false;
+  mutable std::array<double, 6> profile_ms_{};  // by Phase; kRuns counts calls
   std::vector<Layer> layers_;
 };
