@@ -307,13 +307,14 @@ def run_one(run: Run, model_path: str, threads: int, batch_sizes: list[int], pad
     return {"ok": False, "error": f"worker exited with code {proc.returncode} and wrote no result"}
 
 
-def measure_roofline(threads: int, tmp: Path) -> dict[str, Any] | None:
+def measure_roofline(threads: int) -> dict[str, Any] | None:
     """benchmarks/roofline.py in its own process (its weights are a model's worth)."""
-    out = tmp / "roofline.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    subprocess.run([sys.executable, "-m", "benchmarks.roofline", "--threads", str(threads), "--json", str(out)],
-                   env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text()) if out.is_file() else None
+    with tempfile.TemporaryDirectory(prefix="sglite-roofline-") as tmp:
+        out = Path(tmp) / "roofline.json"
+        subprocess.run([sys.executable, "-m", "benchmarks.roofline", "--threads", str(threads), "--json", str(out)],
+                       env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text()) if out.is_file() else None
 
 
 def machine_line(threads: int) -> str:
@@ -342,7 +343,12 @@ def machine_line(threads: int) -> str:
                 versions.append(f"{mod.replace('_', '-')} {version(mod.replace('_', '-') + ('-python' if mod == 'llama_cpp' else ''))}")
             except PackageNotFoundError:
                 pass
-    return f"{cpu}, {os.cpu_count()} cores{ram}; python {platform.python_version()}, {', '.join(versions)}; {threads} torch threads"
+    from benchmarks import llamacpp
+
+    if llamacpp.built():
+        versions.append(f"llama.cpp of the {llamacpp.SDIST} sdist")
+    return (f"{cpu}, {os.cpu_count()} cores{ram}; python {platform.python_version()}, {', '.join(versions)}; "
+            f"{threads} torch threads")
 
 
 def git_commit() -> str:
@@ -422,44 +428,60 @@ def _row(results: dict[str, tuple[Workload, list[Row]]], workload: str, label: s
 LLAMA_DTYPE = {"float32": "F32", "bfloat16": "BF16"}
 
 
+def _mark(ok: bool) -> str:
+    return "**met**" if ok else "**NOT met**"
+
+
+def _shared_prefix_goal(results: dict[str, tuple[Workload, list[Row]]]) -> list[str]:
+    ours = _row(results, "shared-prefix", "sglite")
+    llama = [r for r in results.get("shared-prefix", (None, []))[1] if r.ok and r.engine.startswith("llama-")]
+    if ours is None or not llama:
+        return []
+    best = max(llama, key=lambda r: r.output_tok_s)
+    x = ours.output_tok_s / best.output_tok_s
+    line = (f"- shared-prefix: sglite ≥ 2× llama.cpp's best batched row ({best.label}, "
+            f"{best.output_tok_s:.0f} tok/s): {_mark(x >= 2)} ({x:.2f}×)")
+    same = [r for r in llama if r.details.get("dtype") == LLAMA_DTYPE.get(ours.details.get("dtype", ""))]
+    if same:
+        b = max(same, key=lambda r: r.output_tok_s)
+        y = ours.output_tok_s / b.output_tok_s
+        line += f"; first milestone, ahead of it in the same dtype ({b.label}): {_mark(y > 1)} ({y:.2f}×)"
+    return [line]
+
+
+def _random_lengths_goal(results: dict[str, tuple[Workload, list[Row]]]) -> list[str]:
+    ours = _row(results, "random-lengths", "sglite")
+    if ours is None:
+        return []
+    peer = _row(results, "random-lengths", f"llama-server {LLAMA_DTYPE.get(ours.details.get('dtype', ''), 'BF16')}")
+    if peer is None:
+        return []
+    x = ours.output_tok_s / peer.output_tok_s
+    return [f"- random-lengths: sglite ≥ 1.5× {peer.label} at the same concurrency (all at once): "
+            f"{_mark(x >= 1.5)} ({x:.2f}×)"]
+
+
+def _roofline_goals(results: dict[str, tuple[Workload, list[Row]]], roof: dict[str, Any]) -> list[str]:
+    lines = []
+    one = _row(results, "one-chat", "sglite")
+    if one is not None and one.itl_p50_ms > 0:
+        floor = roof["floor_ms"]["batch1_bf16_bandwidth"]
+        f = floor / one.itl_p50_ms
+        lines.append(f"- batch-1 decode ≥ 80 % of the bf16 bandwidth floor: {_mark(f >= 0.8)} "
+                     f"({one.itl_p50_ms:.1f} ms/token, floor {floor:.1f} ms: {100 * f:.0f} %)")
+    big, ours = roof["batch_big"], _row(results, "shared-prefix", "sglite")
+    if ours is not None and ours.itl_p50_ms > 0 and ours.num_requests >= big:
+        floor = roof["floor_ms"][f"batch{big}_bf16_matmul"]
+        f = floor / ours.itl_p50_ms
+        lines.append(f"- batch-{big} decode ≥ 50 % of the bf16 matmul floor: {_mark(f >= 0.5)} (shared-prefix "
+                     f"ITL p50 {ours.itl_p50_ms:.0f} ms, floor {floor:.0f} ms: {100 * f:.0f} %)")
+    return lines
+
+
 def peer_goal_lines(results: dict[str, tuple[Workload, list[Row]]], roof: dict[str, Any] | None) -> list[str]:
     """Issue 28's goals: against llama.cpp's batched rows, and against the roofline."""
-    def mark(ok: bool) -> str:
-        return "**met**" if ok else "**NOT met**"
-
-    lines = []
-    ours = _row(results, "shared-prefix", "sglite")
-    llama = [r for r in (results.get("shared-prefix", (None, []))[1]) if r.ok and r.engine.startswith("llama-")]
-    if ours is not None and llama:
-        best = max(llama, key=lambda r: r.output_tok_s)
-        x = ours.output_tok_s / best.output_tok_s
-        line = (f"- shared-prefix: sglite ≥ 2× llama.cpp's best batched row ({best.label}, "
-                f"{best.output_tok_s:.0f} tok/s): {mark(x >= 2)} ({x:.2f}×)")
-        same = [r for r in llama if r.details.get("dtype") == LLAMA_DTYPE.get(ours.details.get("dtype", ""))]
-        if same:
-            b = max(same, key=lambda r: r.output_tok_s)
-            line += f"; first milestone, ahead of it in the same dtype ({b.label}): {mark(ours.output_tok_s > b.output_tok_s)} ({ours.output_tok_s / b.output_tok_s:.2f}×)"
-        lines.append(line)
-    ours_rl = _row(results, "random-lengths", "sglite")
-    if ours_rl is not None:
-        peer = _row(results, "random-lengths", f"llama-server {LLAMA_DTYPE.get(ours_rl.details.get('dtype', ''), 'BF16')}")
-        if peer is not None:
-            x = ours_rl.output_tok_s / peer.output_tok_s
-            lines.append(f"- random-lengths: sglite ≥ 1.5× {peer.label} at the same concurrency (all at once): "
-                         f"{mark(x >= 1.5)} ({x:.2f}×)")
-    if roof is not None:
-        one = _row(results, "one-chat", "sglite")
-        if one is not None and one.itl_p50_ms > 0:
-            f = roof["floor_ms"]["batch1_bf16_bandwidth"] / one.itl_p50_ms
-            lines.append(f"- batch-1 decode ≥ 80 % of the bf16 bandwidth floor: {mark(f >= 0.8)} ({one.itl_p50_ms:.1f} "
-                         f"ms/token, floor {roof['floor_ms']['batch1_bf16_bandwidth']:.1f} ms: {100 * f:.0f} %)")
-        big = roof["batch_big"]
-        if ours is not None and ours.itl_p50_ms > 0 and ours.num_requests >= big:
-            floor = roof["floor_ms"][f"batch{big}_bf16_matmul"]
-            f = floor / ours.itl_p50_ms
-            lines.append(f"- batch-{big} decode ≥ 50 % of the bf16 matmul floor: {mark(f >= 0.5)} (shared-prefix "
-                         f"ITL p50 {ours.itl_p50_ms:.0f} ms, floor {floor:.0f} ms: {100 * f:.0f} %)")
-    return lines
+    return (_shared_prefix_goal(results) + _random_lengths_goal(results)
+            + (_roofline_goals(results, roof) if roof is not None else []))
 
 
 def roofline_lines(results: dict[str, tuple[Workload, list[Row]]], roof: dict[str, Any]) -> list[str]:
@@ -560,6 +582,34 @@ def check_args(args: argparse.Namespace) -> list[int]:
     return sizes
 
 
+def run_plan(runs: list[Run], workloads: list[Workload], args: argparse.Namespace, sizes: list[int], threads: int,
+             pad_id: int, tic: float) -> tuple[dict[str, tuple[Workload, list[Row]]], dict[str, dict[str, Any]]]:
+    """Every configuration in its own process, each workload's in rounds (all of them
+    once, then again: --repeat), so that drift in the machine's speed reaches every
+    configuration of a comparison; one row per configuration (its median run)."""
+    results: dict[str, tuple[Workload, list[Row]]] = {wl.name: (wl, []) for wl in workloads}
+    run_args: dict[str, dict[str, dict[str, Any]]] = {wl.name: {} for wl in workloads}
+    order = [(rnd, r) for wl in workloads for rnd in range(args.repeat) for r in runs if r.workload is wl]
+    runs_of: dict[int, list[Row]] = {id(r): [] for r in runs}
+    with tempfile.TemporaryDirectory(prefix="sglite-bench-") as tmp:
+        for i, (rnd, r) in enumerate(order, 1):
+            which = f", run {rnd + 1}/{args.repeat}" if args.repeat > 1 else ""
+            say(f"[{i}/{len(order)}] {r.workload.name} · {r.label}{which}  ({time.monotonic() - tic:.0f} s so far)")
+            t = time.monotonic()
+            res = run_one(r, args.model_path, threads, sizes, pad_id, Path(tmp), i)
+            row = summarize(r.label, r.engine, r.workload, res)
+            runs_of[id(r)].append(row)
+            run_args[r.workload.name][r.label] = r.server_args
+            if row.ok:
+                say(f"      -> {time.monotonic() - t:.0f} s: {row.output_tok_s:.1f} output tok/s, TTFT p50 "
+                    f"{row.ttft_p50:.2f} s, ITL p50 {row.itl_p50_ms:.0f} ms, peak {row.peak_rss_mb:.0f} MB")
+            else:
+                say(f"      -> failed: {row.error}")
+    for r in runs:
+        results[r.workload.name][1].append(median_run(runs_of[id(r)]))
+    return results, run_args
+
+
 def run(args: argparse.Namespace, prog: str = "python benchmarks/bench.py", argv: list[str] | None = None) -> int:
     sizes = check_args(args)
     import torch
@@ -606,35 +656,13 @@ def run(args: argparse.Namespace, prog: str = "python benchmarks/bench.py", argv
     for n in plan_notes:
         say(f"note: {n}")
 
-    results: dict[str, tuple[Workload, list[Row]]] = {wl.name: (wl, []) for wl in workloads}
-    run_args: dict[str, dict[str, dict[str, Any]]] = {wl.name: {} for wl in workloads}
-    # each workload's configurations run in rounds (all of them once, then again), so
-    # that drift in the machine's speed reaches every configuration of a comparison
-    order = [(rnd, r) for wl in workloads for rnd in range(args.repeat) for r in runs if r.workload is wl]
-    runs_of: dict[int, list[Row]] = {id(r): [] for r in runs}
-    with tempfile.TemporaryDirectory(prefix="sglite-bench-") as tmp:
-        for i, (rnd, r) in enumerate(order, 1):
-            which = f", run {rnd + 1}/{args.repeat}" if args.repeat > 1 else ""
-            say(f"[{i}/{len(order)}] {r.workload.name} · {r.label}{which}  ({time.monotonic() - tic:.0f} s so far)")
-            t = time.monotonic()
-            res = run_one(r, args.model_path, threads, sizes, pad_id, Path(tmp), i)
-            row = summarize(r.label, r.engine, r.workload, res)
-            runs_of[id(r)].append(row)
-            run_args[r.workload.name][r.label] = r.server_args
-            if row.ok:
-                say(f"      -> {time.monotonic() - t:.0f} s: {row.output_tok_s:.1f} output tok/s, TTFT p50 "
-                    f"{row.ttft_p50:.2f} s, ITL p50 {row.itl_p50_ms:.0f} ms, peak {row.peak_rss_mb:.0f} MB")
-            else:
-                say(f"      -> failed: {row.error}")
-    for r in runs:
-        results[r.workload.name][1].append(median_run(runs_of[id(r)]))
+    results, run_args = run_plan(runs, workloads, args, sizes, threads, pad_id, tic)
     for wl, rows in results.values():
         compare_to_baseline(rows, next((r for r in rows if r.engine == "transformers"), None))
     roof = None
     if args.roofline if args.roofline is not None else not args.quick:
         say(f"roofline: the machine's matmul peak and read bandwidth ({time.monotonic() - tic:.0f} s so far)")
-        with tempfile.TemporaryDirectory(prefix="sglite-roofline-") as roof_tmp:
-            roof = measure_roofline(threads, Path(roof_tmp))
+        roof = measure_roofline(threads)
         if roof is None:
             notes.append("roofline: the measurement failed (see the bench's output)")
 

@@ -26,8 +26,9 @@ WARMUP_PROMPT = list(range(100, 132))
 
 
 def peak_rss_mb() -> float:
-    """High-water mark of this process's resident memory (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """High-water mark of the resident memory of this process, or of the largest child
+    it waited for (a peer's server: llama-server), whichever is larger (Linux reports KiB)."""
+    return max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 1024
 
 
 class Progress:

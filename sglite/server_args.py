@@ -49,11 +49,9 @@ class ServerArgs:
     disable_radix_cache: bool = _opt(False, "use ChunkCache: no prefix reuse")
     disable_overlap_schedule: bool | None = _opt(
         None, "run event_loop_normal: plan the next round only after this round's tokens are back. Default: "
-              "event_loop_overlap (plan round N+1 while round N's forward runs) on CUDA, and on a CPU where "
-              "decode forwards run as one C++ call that leaves the GIL (the cpu attention backend with the CPU "
-              "graph); event_loop_normal on a CPU with torch_native or triton or --disable-cpu-graph, whose "
-              "forwards take turns with the scheduler on the GIL (docs/scheduler.md has the measurements); "
-              "--enable-overlap-schedule runs it anyway",
+              "event_loop_overlap (plan round N+1 while round N's forward runs) on CUDA; event_loop_normal on a "
+              "CPU, as SGLang's CPU backend, where the scheduler's thread would take a core from the forward "
+              "(docs/scheduler.md has the measurements); --enable-overlap-schedule runs it anyway",
         negative="--enable-overlap-schedule")
     random_seed: int = _opt(42, "seed for requests that bring no seed of their own")
     waiting_timeout: float | None = _opt(None, "abort a request that waits longer than this many seconds")
@@ -84,9 +82,12 @@ class ServerArgs:
         self._check_types()
         self._check_ranges()
         if self.disable_overlap_schedule is None:
-            # the overlap loop pays where the forward leaves the scheduler's thread free: on
-            # a GPU, or on a CPU as the CPU graph's one GIL-free call
-            self.disable_overlap_schedule = not (_on_cuda(self.device) or self._cpu_graph_expected())
+            # the overlap loop on a GPU, where the forward leaves the scheduler's thread
+            # free; on a CPU the normal loop, as SGLang's CPU backend: the scheduler's
+            # thread takes a core from the forward's threads there (SmolLM2 on 2 cores:
+            # 0.80x throughput at 64 in flight, 1.8x the time per token alone;
+            # benchmarks/results/bench-2026-12-07.md)
+            self.disable_overlap_schedule = not _on_cuda(self.device)
         if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
             self.chunked_prefill_size = None
         if self.chunked_prefill_size is not None and self.chunked_prefill_size % self.page_size:
@@ -126,14 +127,6 @@ class ServerArgs:
             raise ValueError(f"random_seed must be in [0, 2**63), got {self.random_seed}")
         if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
-
-    def _cpu_graph_expected(self) -> bool:
-        """Whether decode forwards on a CPU will run as the CPU graph (the cpu backend,
-        float32 or bfloat16).
-        auto falls back to torch_native where the kernels cannot build; the overlap loop
-        is then still correct, only no faster."""
-        return (self.attention_backend in ("auto", "cpu") and self.dtype in ("auto", "float32", "bfloat16")
-                and not self.disable_cpu_graph)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":

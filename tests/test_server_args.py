@@ -14,25 +14,22 @@ def parse(*argv: str) -> ServerArgs:
     return ServerArgs.from_cli_args(parser.parse_args(list(argv)))
 
 
-def test_the_loop_defaults_by_device_and_backend():
-    """event_loop_overlap on CUDA and on a CPU whose decode forwards run as the CPU graph
-    (one GIL-free call); event_loop_normal on a CPU whose forwards take turns with the
-    scheduler on the GIL (torch_native, triton, --disable-cpu-graph, a float16 pool)."""
-    assert ServerArgs(device="cpu").disable_overlap_schedule is False
-    assert ServerArgs(device="cpu", dtype="bfloat16").disable_overlap_schedule is False
-    assert ServerArgs(device="cpu", attention_backend="cpu").disable_overlap_schedule is False
+def test_the_loop_defaults_by_device():
+    """event_loop_overlap on CUDA; event_loop_normal on a CPU, whatever its backend and
+    dtype (SGLang's CPU default: the scheduler's thread would take a core from the
+    forward's threads); either flag wins."""
     assert ServerArgs(device="cuda").disable_overlap_schedule is False
-    assert ServerArgs().disable_overlap_schedule is False
-    for kw in ({"attention_backend": "torch_native"}, {"attention_backend": "triton"}, {"disable_cpu_graph": True},
-               {"dtype": "float16"}):
-        assert ServerArgs(device="cpu", **kw).disable_overlap_schedule is True, kw
     assert ServerArgs(device="cuda", attention_backend="torch_native").disable_overlap_schedule is False
+    for kw in ({}, {"attention_backend": "cpu"}, {"dtype": "bfloat16"}, {"attention_backend": "torch_native"},
+               {"attention_backend": "triton"}, {"disable_cpu_graph": True}, {"dtype": "float16"}):
+        assert ServerArgs(device="cpu", **kw).disable_overlap_schedule is True, kw
     assert ServerArgs(device="cpu", disable_overlap_schedule=False).disable_overlap_schedule is False
     assert ServerArgs(device="cuda", disable_overlap_schedule=True).disable_overlap_schedule is True
 
 
 def test_overlap_flags_on_the_command_line(capsys):
-    assert parse("--device", "cpu").disable_overlap_schedule is False
+    assert parse("--device", "cpu").disable_overlap_schedule is True
+    assert parse("--device", "cpu", "--enable-overlap-schedule").disable_overlap_schedule is False
     assert parse("--device", "cpu", "--attention-backend", "torch_native").disable_overlap_schedule is True
     assert parse("--device", "cpu", "--attention-backend", "torch_native",
                  "--enable-overlap-schedule").disable_overlap_schedule is False

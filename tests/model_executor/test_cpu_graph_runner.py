@@ -197,3 +197,20 @@ def test_engine_tokens_equal_with_and_without_the_graph(overlap):
             engine.shutdown()
 
     assert generate(True) == generate(False)
+
+
+def test_profiling_times_each_part_of_every_run():
+    """DecodeGraph.set_profiling: every run's time split by part (the bench's roofline
+    section); off by default, and turning it on again starts from zero."""
+    r = runner("gqa-untied", graph=True, dtype="bfloat16")
+    graph = r.cpu_graph_runner.graph
+    parts = {"linear_ms", "lm_head_ms", "attention_ms", "norm_rope_act_ms", "other_ms"}
+    drive(HandScheduler(r), STEPS[:1])
+    assert graph.profile() == {**{p: 0.0 for p in parts}, "runs": 0.0}
+    graph.set_profiling(True)
+    drive(HandScheduler(r), STEPS)
+    prof = graph.profile()
+    assert set(prof) == parts | {"runs"} and prof["runs"] == len(STEPS)
+    assert all(prof[p] > 0 for p in parts)
+    graph.set_profiling(True)
+    assert graph.profile()["runs"] == 0

@@ -86,6 +86,40 @@ void values_avx512(const float* scores, const T* v_buf, const int64_t* slots, in
 }
 #endif
 
+// the same two passes in plain loops (any head_dim; a CPU without AVX-512)
+template <int64_t kD, class T>
+void scores_generic(const float* qf, const T* k_buf, const int64_t* slots, int64_t slot_stride, int64_t L,
+                    int64_t G, int64_t d_runtime, float scale, float* scores, float* top) {
+  const int64_t D = kD > 0 ? kD : d_runtime;
+  for (int64_t t = 0; t < L; ++t) {
+    const T* kp = k_buf + slots[t] * slot_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < D; ++d) s += qg[d] * to_f32(kp[d]);
+      s *= scale;
+      scores[g * L + t] = s;
+      top[g] = std::max(top[g], s);
+    }
+  }
+}
+
+template <int64_t kD, class T>
+void values_generic(const float* scores, const T* v_buf, const int64_t* slots, int64_t slot_stride, int64_t L,
+                    int64_t G, int64_t d_runtime, float* acc) {
+  const int64_t D = kD > 0 ? kD : d_runtime;
+  for (int64_t t = 0; t < L; ++t) {
+    const T* vp = v_buf + slots[t] * slot_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = scores[g * L + t];
+      float* ag = acc + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) ag[d] += w * to_f32(vp[d]);
+    }
+  }
+}
+
 // kD > 0: head_dim fixed at compile time; kD == 0: head_dim = d_runtime
 template <int64_t kD, class T>
 void decode_attention_impl(const Problem<T>& p, int64_t d_runtime) {
@@ -110,18 +144,8 @@ void decode_attention_impl(const Problem<T>& p, int64_t d_runtime) {
       if constexpr (kVector) {
         scores_avx512<kD>(qf.data(), p.k_buf + kh * D, slots, slot_stride, L, G, p.scale, scores.data(), top.data());
       } else {
-      for (int64_t t = 0; t < L; ++t) {
-        const T* kp = p.k_buf + slots[t] * slot_stride + kh * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * to_f32(kp[d]);
-          s *= p.scale;
-          scores[g * L + t] = s;
-          top[g] = std::max(top[g], s);
-        }
-      }
+        scores_generic<kD>(qf.data(), p.k_buf + kh * D, slots, slot_stride, L, G, D, p.scale, scores.data(),
+                           top.data());
       }
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * L;
@@ -138,15 +162,7 @@ void decode_attention_impl(const Problem<T>& p, int64_t d_runtime) {
       if constexpr (kVector) {
         values_avx512<kD>(scores.data(), p.v_buf + kh * D, slots, slot_stride, L, G, acc.data());
       } else {
-      for (int64_t t = 0; t < L; ++t) {
-        const T* vp = p.v_buf + slots[t] * slot_stride + kh * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float w = scores[g * L + t];
-          float* ag = acc.data() + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] += w * to_f32(vp[d]);
-        }
-      }
+        values_generic<kD>(scores.data(), p.v_buf + kh * D, slots, slot_stride, L, G, D, acc.data());
       }
       T* oh = p.out + p.q_rows[r] * p.H * D + kh * G * D;
       for (int64_t g = 0; g < G; ++g) {

@@ -14,8 +14,9 @@
 // is bound by reading the weight once: MR = 1, NB = 4 keeps four dependency chains in
 // flight. Large batches are bound by the dot products: MR = 8, NB = 2 does 16 of them
 // per 2 weight loads and 8 broadcasts. Threads split the columns; each runs every row
-// tile over its columns, so its weight slab stays in its caches. Sums are float32;
-// the output is float32 or rounded to bfloat16 (round to nearest even, as torch).
+// tile over a chunk of its columns before the next chunk, so the chunk's weights stay in
+// its caches. Sums are float32; the output is float32 or rounded to bfloat16 (round to
+// nearest even, as torch).
 //
 // Without AVX512-BF16 (built for a CPU that lacks it) the same layout runs a portable
 // loop: correct, not fast; sglite picks float32 on such CPUs by default.
@@ -112,14 +113,8 @@ void run_rows(const Gemm& g, int64_t m0, int64_t b_begin, int64_t b_end) {
   for (; b < b_end; ++b) tile<MR, 1>(g, m0, b);
 }
 
-// every row tile over blocks [b_begin, b_end)
-void run_blocks(const Gemm& g, int64_t b_begin, int64_t b_end) {
-  int64_t m = 0;
-  if (g.M == 1) {
-    run_rows<1, 4>(g, 0, b_begin, b_end);
-    return;
-  }
-  for (; m + 8 <= g.M; m += 8) run_rows<8, 2>(g, m, b_begin, b_end);
+// the remaining rows (fewer than 8) of a batch, as one tile
+void run_tail_rows(const Gemm& g, int64_t m, int64_t b_begin, int64_t b_end) {
   switch (g.M - m) {
     case 7: run_rows<7, 2>(g, m, b_begin, b_end); break;
     case 6: run_rows<6, 2>(g, m, b_begin, b_end); break;
@@ -129,6 +124,26 @@ void run_blocks(const Gemm& g, int64_t b_begin, int64_t b_end) {
     case 2: run_rows<2, 4>(g, m, b_begin, b_end); break;
     case 1: run_rows<1, 4>(g, m, b_begin, b_end); break;
     default: break;
+  }
+}
+
+// every row tile over blocks [b_begin, b_end), a chunk of blocks at a time: the chunk's
+// weights (about kChunkBytes) stay in the core's L2 while every row tile reads them, so
+// a weight larger than the caches (the LM head's 57 MB) is read from memory once, not
+// once per row tile
+constexpr int64_t kChunkBytes = 256 << 10;
+
+void run_blocks(const Gemm& g, int64_t b_begin, int64_t b_end) {
+  if (g.M == 1) {
+    run_rows<1, 4>(g, 0, b_begin, b_end);
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(2, kChunkBytes / (g.Kp * kBlock * 2) / 2 * 2);  // even: NB = 2 tiles
+  for (int64_t c = b_begin; c < b_end; c += chunk) {
+    const int64_t c_end = std::min(b_end, c + chunk);
+    int64_t m = 0;
+    for (; m + 8 <= g.M; m += 8) run_rows<8, 2>(g, m, c, c_end);
+    run_tail_rows(g, m, c, c_end);
   }
 }
 
