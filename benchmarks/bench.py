@@ -68,12 +68,12 @@ ABLATIONS = [
     Ablation("fcfs", "sglite, fcfs policy", {"schedule_policy": "fcfs"}, workloads=("shared-prefix",), default=False),
     Ablation("chunked-off", "sglite, chunked prefill off", {"chunked_prefill_size": -1}, workloads=("long-prompts",)),
     Ablation("mixed-chunk", "sglite, mixed chunk on", {"enable_mixed_chunk": True}, workloads=("long-prompts",)),
-    # the default loop is event_loop_overlap (on a CPU with the CPU graph, and on CUDA;
-    # event_loop_normal on a CPU with torch_native): each ablation forces one
+    # the default loop is event_loop_overlap on CUDA, event_loop_normal on a CPU: each
+    # ablation forces one, and the one that differs from the main row runs (a CPU: overlap-on)
     Ablation("overlap-off", "sglite, normal loop", {"disable_overlap_schedule": True},
              workloads=("shared-prefix", "one-chat")),
-    Ablation("overlap-on", "sglite, overlap loop", {"disable_overlap_schedule": False}, workloads=("shared-prefix",),
-             default=False),
+    Ablation("overlap-on", "sglite, overlap loop", {"disable_overlap_schedule": False},
+             workloads=("shared-prefix", "one-chat")),
     Ablation("trace-1", "sglite, tracing level 1", {}, 1, workloads=("shared-prefix",), default=False),
     Ablation("trace-2", "sglite, tracing level 2", {}, 2, workloads=("shared-prefix",)),
     # on a CPU the default attention backend is cpu (decode rows read by a C++ kernel)

@@ -287,10 +287,11 @@ def engine_threads() -> int:
     """Torch intra-op threads for an engine that shares the machine with the screen: all
     of torch's, as the engine alone has. Before decode forwards ran as the CPU graph, a
     core was left to the screen (each frame stalled a forward on every core at its next
-    OpenMP barrier: 0.6x on 2 cores). With the CPU graph and the overlap loop, the engine
-    makes far more of a second core than the screen costs: on smollm2, pool-pressure, 2
-    cores, engine + TUI with 2 threads ran at 0.90x of the engine alone, with 1 thread at
-    0.64x (benchmarks/results/tui-overhead-2026-12-04.md). OMP_NUM_THREADS, when set, wins."""
+    OpenMP barrier: 0.6x on 2 cores). With the CPU graph, the engine makes far more of a
+    second core than the screen costs: on smollm2, pool-pressure, 2 cores, engine + TUI
+    with 2 threads ran at 0.90x of the engine alone, with 1 thread at 0.64x (measured with
+    the overlap loop, then the CPU default: benchmarks/results/tui-overhead-2026-12-04.md).
+    OMP_NUM_THREADS, when set, wins."""
     import torch
 
     return torch.get_num_threads()

@@ -5,6 +5,8 @@
 // KV head) pair, in parallel over torch's intra-op threads: the scores of that KV head's
 // query heads (GQA) against positions 0..seq_len-1, their softmax, and the weighted sum
 // of V. Two passes over the request's slots; the scores wait in a per-thread buffer.
+// With fewer pairs than a few per thread (a batch of one), each request's positions are
+// split into ranges attended in parallel, their softmaxes merged after (split-KV).
 // A head_dim known at compile time (64, 128) lets the compiler unroll and vectorize the
 // inner loops fully; others take the same code with a runtime head_dim. q, the pool and
 // out are float32 or bfloat16 (one type); scores, softmax and sums are float32.
@@ -24,6 +26,9 @@
 namespace {
 
 using sglite::to_f32;
+
+constexpr int64_t kMaxSplits = 8;      // position ranges per (request, KV head), at most
+constexpr int64_t kMinSplitLen = 64;   // positions per range, at least
 
 template <class T>
 struct Problem {
@@ -120,55 +125,106 @@ void values_generic(const float* scores, const T* v_buf, const int64_t* slots, i
   }
 }
 
-// kD > 0: head_dim fixed at compile time; kD == 0: head_dim = d_runtime
+// One (request, KV head)'s attention over positions [t0, t1) of its request: for each of
+// its G query heads, the scores' maximum (top), the sum of exp(score - top) (sum) and
+// the unnormalized weighted sum of V (acc, G x D). Scratch vectors are the caller's.
+template <int64_t kD, class T>
+void attend_range(const Problem<T>& p, int64_t D, int64_t r, int64_t kh, int64_t t0, int64_t t1,
+                  std::vector<float>& qf, std::vector<float>& scores, float* top, float* sum, float* acc) {
+  const int64_t G = p.H / p.KVH, L = t1 - t0;
+  const int64_t slot_stride = p.KVH * D;
+  const int64_t* slots = p.req_to_token + p.pool_idx[r] * p.r2t_stride + t0;
+  const T* qh = p.q + p.q_rows[r] * p.H * D + kh * G * D;  // this KV head's G query heads
+  for (int64_t i = 0; i < G * D; ++i) qf[i] = to_f32(qh[i]);
+  scores.resize(G * L);
+  std::fill(top, top + G, -std::numeric_limits<float>::infinity());
+#ifdef __AVX512F__
+  constexpr bool kVector = kD > 0 && kD % 16 == 0;
+#else
+  constexpr bool kVector = false;
+#endif
+  if constexpr (kVector) {
+    scores_avx512<kD>(qf.data(), p.k_buf + kh * D, slots, slot_stride, L, G, p.scale, scores.data(), top);
+  } else {
+    scores_generic<kD>(qf.data(), p.k_buf + kh * D, slots, slot_stride, L, G, D, p.scale, scores.data(), top);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores.data() + g * L;
+    float total = 0.f;
+    const float m = top[g];
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < L; ++t) {
+      sg[t] = sglite::exp_vec(sg[t] - m);
+      total += sg[t];
+    }
+    sum[g] = total;
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  if constexpr (kVector) {
+    values_avx512<kD>(scores.data(), p.v_buf + kh * D, slots, slot_stride, L, G, acc);
+  } else {
+    values_generic<kD>(scores.data(), p.v_buf + kh * D, slots, slot_stride, L, G, D, acc);
+  }
+}
+
+// out rows of one (request, KV head) from S partial results over consecutive position
+// ranges (S = 1: just the normalization): softmax merged by the ranges' maxima and sums
+template <class T>
+void write_merged(const Problem<T>& p, int64_t D, int64_t r, int64_t kh, int64_t S, const float* top,
+                  const float* sum, const float* acc) {
+  const int64_t G = p.H / p.KVH;
+  T* oh = p.out + p.q_rows[r] * p.H * D + kh * G * D;
+  for (int64_t g = 0; g < G; ++g) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t s = 0; s < S; ++s) m = std::max(m, top[s * G + g]);
+    float total = 0.f, w[kMaxSplits];
+    for (int64_t s = 0; s < S; ++s) {
+      w[s] = sum[s * G + g] > 0.f ? sglite::exp_vec(top[s * G + g] - m) : 0.f;
+      total += w[s] * sum[s * G + g];
+    }
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < D; ++d) {
+      float v = 0.f;
+      for (int64_t s = 0; s < S; ++s) v += w[s] * acc[(s * G + g) * D + d];
+      oh[g * D + d] = sglite::from_f32<T>(v * inv);
+    }
+  }
+}
+
+// kD > 0: head_dim fixed at compile time; kD == 0: head_dim = d_runtime.
+// Work items are (request, KV head) pairs; when there are fewer than a few per thread (a
+// batch of one or two), each request's positions are split into up to kMaxSplits ranges
+// of at least kMinSplitLen, attended in parallel and merged (split-KV, as flash-decoding):
+// otherwise one thread would do two KV heads while the other waits.
 template <int64_t kD, class T>
 void decode_attention_impl(const Problem<T>& p, int64_t d_runtime) {
   const int64_t D = kD > 0 ? kD : d_runtime;
-  const int64_t G = p.H / p.KVH;  // query heads per KV head
-  const int64_t slot_stride = p.KVH * D;
-  at::parallel_for(0, p.n * p.KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(G * D), top(G), sum(G), qf(G * D);
+  const int64_t G = p.H / p.KVH, pairs = p.n * p.KVH;
+  const int64_t want = 4 * at::get_num_threads();
+  const int64_t S = pairs >= want ? 1 : std::min<int64_t>(kMaxSplits, (want + pairs - 1) / pairs);
+  std::vector<float> top(pairs * S * G), sum(pairs * S * G), acc(pairs * S * G * D);
+  at::parallel_for(0, pairs * S, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qf(G * D);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / p.KVH, kh = item % p.KVH;
+      const int64_t pair = item / S, s = item % S, r = pair / p.KVH, kh = pair % p.KVH;
       const int64_t L = p.seq_lens[r];
-      const int64_t* slots = p.req_to_token + p.pool_idx[r] * p.r2t_stride;
-      const T* qh = p.q + p.q_rows[r] * p.H * D + kh * G * D;  // this KV head's G query heads
-      for (int64_t i = 0; i < G * D; ++i) qf[i] = to_f32(qh[i]);
-      scores.resize(G * L);
-      std::fill(top.begin(), top.end(), -std::numeric_limits<float>::infinity());
-#ifdef __AVX512F__
-      constexpr bool kVector = kD > 0 && kD % 16 == 0;
-#else
-      constexpr bool kVector = false;
-#endif
-      if constexpr (kVector) {
-        scores_avx512<kD>(qf.data(), p.k_buf + kh * D, slots, slot_stride, L, G, p.scale, scores.data(), top.data());
-      } else {
-        scores_generic<kD>(qf.data(), p.k_buf + kh * D, slots, slot_stride, L, G, D, p.scale, scores.data(),
-                           top.data());
+      // a short request uses fewer ranges; an empty range leaves sum = 0 (weight 0 when merged)
+      const int64_t len = std::max<int64_t>(kMinSplitLen, (L + S - 1) / S);
+      const int64_t t0 = std::min(L, s * len), t1 = std::min(L, t0 + len);
+      float* tp = top.data() + item * G;
+      float* sp = sum.data() + item * G;
+      if (t0 == t1) {
+        std::fill(tp, tp + G, -std::numeric_limits<float>::infinity());
+        std::fill(sp, sp + G, 0.f);
+        continue;
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * L;
-        float total = 0.f;
-        const float m = top[g];
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < L; ++t) {
-          sg[t] = sglite::exp_vec(sg[t] - m);
-          total += sg[t];
-        }
-        sum[g] = total;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      if constexpr (kVector) {
-        values_avx512<kD>(scores.data(), p.v_buf + kh * D, slots, slot_stride, L, G, acc.data());
-      } else {
-        values_generic<kD>(scores.data(), p.v_buf + kh * D, slots, slot_stride, L, G, D, acc.data());
-      }
-      T* oh = p.out + p.q_rows[r] * p.H * D + kh * G * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = 1.f / sum[g];
-        for (int64_t d = 0; d < D; ++d) oh[g * D + d] = sglite::from_f32<T>(acc[g * D + d] * inv);
-      }
+      attend_range<kD>(p, D, r, kh, t0, t1, qf, scores, tp, sp, acc.data() + item * G * D);
+    }
+  });
+  at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair) {
+      write_merged(p, D, pair / p.KVH, pair % p.KVH, S, top.data() + pair * S * G, sum.data() + pair * S * G,
+                   acc.data() + pair * S * G * D);
     }
   });
 }

@@ -35,6 +35,18 @@ def test_decode_equals_reference(heads, kv_heads, head_dim):
     check(case)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefix_lens", [[400], [30], [0], [700, 5]])
+def test_a_small_batch_splits_positions_across_threads(prefix_lens, dtype):
+    """Fewer (request, KV head) pairs than a few per thread: each request's positions are
+    attended in ranges in parallel and the softmaxes merged (one range when a request is
+    shorter than a range: the others are empty); the result is float64 attention's."""
+    case = make_paged_case(prefix_lens, [1] * len(prefix_lens), 9, 3, 64, decode=True, dtype=dtype, seed=7)
+    tol = 1e-5 if dtype == torch.float32 else 2.0**-6
+    got = run_attention(CpuAttnBackend(), case)
+    torch.testing.assert_close(got.double(), dense_reference(case), rtol=tol, atol=tol)
+
+
 def test_rows_sharing_a_cached_prefix_go_through_the_kernel_too(monkeypatch):
     """torch_native would group these (the threshold is lowered so it does); the cpu
     backend attends every one-row request with the kernel."""
