@@ -85,7 +85,7 @@ class ServerArgs:
             # the overlap loop on a GPU, where the forward leaves the scheduler's thread
             # free; on a CPU the normal loop, as SGLang's CPU backend: the scheduler's
             # thread takes a core from the forward's threads there (SmolLM2 on 2 cores:
-            # 0.80x throughput at 64 in flight, 1.8x the time per token alone;
+            # 0.84x throughput at 64 in flight, 1.5x the time per token alone;
             # benchmarks/results/bench-2026-12-07.md)
             self.disable_overlap_schedule = not _on_cuda(self.device)
         if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
