@@ -582,6 +582,19 @@ def check_args(args: argparse.Namespace) -> list[int]:
     return sizes
 
 
+def resolve_dtype_and_peers(args: argparse.Namespace) -> tuple[str, set[str], list[str]]:
+    """sglite's dtype (what --dtype resolves to here), the peer groups that can run, and
+    a note for each wanted one that cannot (said now, and put under the tables)."""
+    from sglite.model_executor.model_runner import resolve_dtype
+    from sglite.server_args import resolve_device
+
+    dtype = str(resolve_dtype(args.dtype, resolve_device("auto"))).removeprefix("torch.")
+    peers, notes = available_peers(set() if args.skip_baseline else select_peers(args.peers), args.model_path)
+    for n in notes:
+        say(f"note: {n}")
+    return dtype, peers, notes
+
+
 def run_plan(runs: list[Run], workloads: list[Workload], args: argparse.Namespace, sizes: list[int], threads: int,
              pad_id: int, tic: float) -> tuple[dict[str, tuple[Workload, list[Row]]], dict[str, dict[str, Any]]]:
     """Every configuration in its own process, each workload's in rounds (all of them
@@ -620,15 +633,7 @@ def run(args: argparse.Namespace, prog: str = "python benchmarks/bench.py", argv
     names = list(WORKLOADS) if not args.workload or "all" in args.workload else list(dict.fromkeys(args.workload))
     chosen = select_ablations(args.ablations)
     threads = args.threads or torch.get_num_threads()
-    notes: list[str] = []
-    from sglite.model_executor.model_runner import resolve_dtype
-    from sglite.server_args import resolve_device
-
-    dtype = str(resolve_dtype(args.dtype, resolve_device("auto"))).removeprefix("torch.")
-    peers, peer_notes = available_peers(set() if args.skip_baseline else select_peers(args.peers), args.model_path)
-    for n in peer_notes:
-        say(f"note: {n}")
-    notes += peer_notes
+    dtype, peers, notes = resolve_dtype_and_peers(args)
 
     try:
         model = load_model(args.model_path)  # downloads / converts once, before anything is timed
