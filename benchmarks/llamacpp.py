@@ -176,8 +176,8 @@ class Server:
         cmd = [str(tool("llama-server")), "-m", str(model), "-t", str(threads), "-tb", str(threads),
                "-np", str(parallel), "-c", str(ctx), "--host", "127.0.0.1", "--port", str(self.port)]
         self.log = log
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=open(log, "w"))
+        with open(log, "w") as err:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -103,7 +103,8 @@ def _serve(server_args: ServerArgs, serve_args: ServeArgs, port_args: PortArgs, 
     async def main() -> None:
         watchdog = asyncio.create_task(_watchdog(children, server))
         print(f"sglite serve: {model_name} on http://{serve_args.host}:{serve_args.port} "
-              f"(pool {info.max_total_num_tokens} tokens; Ctrl-C stops)", file=sys.stderr, flush=True)
+              f"({ready.get('dtype', '?')}, pool {info.max_total_num_tokens} tokens; Ctrl-C stops)", file=sys.stderr,
+              flush=True)
         await server.serve()
         watchdog.cancel()
 

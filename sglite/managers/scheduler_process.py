@@ -75,7 +75,8 @@ def _serve(scheduler: Any, server_args: ServerArgs, port_args: PortArgs, pipe: C
     pipe.send({"status": "ready", "max_total_num_tokens": scheduler.max_total_num_tokens,
                "max_req_input_len": scheduler.max_req_input_len, "tokenizer": scheduler.tokenizer,
                "vocab_size": scheduler.model_config.vocab_size,
-               "context_len": scheduler.tp_worker.model_runner.context_len, "pid": os.getpid()})
+               "context_len": scheduler.tp_worker.model_runner.context_len, "pid": os.getpid(),
+               "dtype": str(scheduler.tp_worker.model_runner.dtype).removeprefix("torch.")})
     loop.run(parent)
 
 

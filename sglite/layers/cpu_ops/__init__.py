@@ -109,7 +109,7 @@ def _build() -> ModuleType:
         fcntl.flock(lock, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
         if not built:
-            print(f"sglite: compiling the CPU kernels into {build_dir} (once per machine, about a minute)",
+            print(f"sglite: compiling the CPU kernels into {build_dir} (once per machine, one to three minutes)",
                   file=sys.stderr, flush=True)
         t0 = time.monotonic()
         # a build that a killed process left half-written can look up to date to ninja;
