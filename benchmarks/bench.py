@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/bench.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.report import (  # noqa: E402
-    Row, compare_to_baseline, markdown_table, median_run, summarize, write_plots)
+    LLAMA_TYPES, Row, compare_to_baseline, markdown_table, median_run, summarize, write_plots)
 from benchmarks.workloads import WORKLOADS, Workload, build_workload  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -325,11 +325,12 @@ def machine_line(threads: int) -> str:
         with open("/proc/cpuinfo") as f:
             lines = f.read().splitlines()
         cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
-        flags = set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
-        bf16 = [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
-        cpu += f" ({', '.join(bf16) if bf16 else 'no avx512_bf16 or amx'})"
     except OSError:
         pass
+    from sglite.model_executor.model_runner import cpu_bf16_flags
+
+    bf16 = cpu_bf16_flags()
+    cpu += f" ({', '.join(bf16) if bf16 else 'no avx512_bf16 or amx'})"
     try:
         ram = f", {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GB RAM"
     except (ValueError, OSError, AttributeError):
@@ -425,8 +426,6 @@ def _row(results: dict[str, tuple[Workload, list[Row]]], workload: str, label: s
     return next((r for r in rows if r.label == label and r.ok), None)
 
 
-LLAMA_DTYPE = {"float32": "F32", "bfloat16": "BF16"}
-
 
 def _mark(ok: bool) -> str:
     return "**met**" if ok else "**NOT met**"
@@ -441,7 +440,7 @@ def _shared_prefix_goal(results: dict[str, tuple[Workload, list[Row]]]) -> list[
     x = ours.output_tok_s / best.output_tok_s
     line = (f"- shared-prefix: sglite ≥ 2× llama.cpp's best batched row ({best.label}, "
             f"{best.output_tok_s:.0f} tok/s): {_mark(x >= 2)} ({x:.2f}×)")
-    same = [r for r in llama if r.details.get("dtype") == LLAMA_DTYPE.get(ours.details.get("dtype", ""))]
+    same = [r for r in llama if r.details.get("dtype") == LLAMA_TYPES.get(ours.details.get("dtype", ""))]
     if same:
         b = max(same, key=lambda r: r.output_tok_s)
         y = ours.output_tok_s / b.output_tok_s
@@ -453,7 +452,7 @@ def _random_lengths_goal(results: dict[str, tuple[Workload, list[Row]]]) -> list
     ours = _row(results, "random-lengths", "sglite")
     if ours is None:
         return []
-    peer = _row(results, "random-lengths", f"llama-server {LLAMA_DTYPE.get(ours.details.get('dtype', ''), 'BF16')}")
+    peer = _row(results, "random-lengths", f"llama-server {LLAMA_TYPES.get(ours.details.get('dtype', ''), 'BF16')}")
     if peer is None:
         return []
     x = ours.output_tok_s / peer.output_tok_s

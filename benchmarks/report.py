@@ -90,8 +90,9 @@ def median_run(runs: list[Row]) -> Row:
     return row
 
 
-# a row's dtype as transformers names it (llama.cpp's files by their GGML type)
-_DTYPE = {"F32": "float32", "BF16": "bfloat16"}
+# llama.cpp's file type (GGML's name) of each dtype; a llama.cpp row's dtype is its file's type
+LLAMA_TYPES = {"float32": "F32", "bfloat16": "BF16"}
+_DTYPE = {t: d for d, t in LLAMA_TYPES.items()}
 
 
 def compare_to_baseline(rows: list[Row], baseline: Row | None) -> None:

@@ -83,14 +83,24 @@ def _step_fn(kind: str, shapes: Shapes, batch: int) -> Callable[[], None]:
                 w = load_cpu_ops().convert_weight_packed(w)
             layers.append((torch.randn(batch, k).to(dtype), w, o))
     if kind == "oneDNN prepacked bf16":
-        lin = torch.ops.mkldnn._linear_pointwise
-        return lambda: [lin(x, w, None, "none", [], "") for x, w, _ in layers] and None
-    if kind == "sglite packed bf16":
+        def linear(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    elif kind == "sglite packed bf16":
         from sglite.layers.cpu_ops import load_cpu_ops
 
-        op = load_cpu_ops().weight_packed_linear
-        return lambda: [op(x, w, None, o) for x, w, o in layers] and None
-    return lambda: [F.linear(x, w) for x, w, _ in layers] and None
+        ops = load_cpu_ops()
+
+        def linear(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+            return ops.weight_packed_linear(x, w, None, n)
+    else:
+        def linear(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+            return F.linear(x, w)
+
+    def step() -> None:
+        for x, w, n in layers:
+            linear(x, w, n)
+
+    return step
 
 
 KINDS = ("F.linear fp32", "F.linear bf16", "oneDNN prepacked bf16", "sglite packed bf16")
