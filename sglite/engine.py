@@ -11,10 +11,12 @@ import itertools
 import logging
 import sys
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from sglite.distributed.parallel_state import TpRankDiedError, destroy_model_parallel
 from sglite.events import EventBus
 from sglite.managers.detokenizer_manager import DetokenizerManager
 from sglite.managers.io_struct import AbortReq, BatchStrOut, BatchTokenIDOut
@@ -61,7 +63,13 @@ class Engine:
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         _setup_logging(self.server_args.log_level)
         self.event_bus = event_bus or EventBus()
-        self.scheduler = Scheduler(self.server_args, event_bus=self.event_bus)
+        self._tp_followers = self._start_tp_ranks()  # tp > 1: ranks 1..N-1 of this machine
+        self._tp_failed = False  # a rank died: no forward can run any more
+        try:
+            self.scheduler = Scheduler(self.server_args, event_bus=self.event_bus)
+        except BaseException:
+            self._stop_tp_ranks()
+            raise
         self.history = self.scheduler.observer.history  # the lifecycle events explain() reads
         self.tokenizer = self.scheduler.tokenizer
         s = self.scheduler
@@ -76,6 +84,37 @@ class Engine:
         self._results: dict[str, ReqState] = {}
         self._lock = threading.RLock()
         self._froze_gc = False  # freeze_gc was called: shutdown gives the heap back
+
+    def _start_tp_ranks(self) -> list[Any]:
+        """--tp-size N: this process is rank 0 (it schedules); the others start here."""
+        from sglite.managers.tp_worker import launch_tp_followers, set_dist_init_addr
+
+        if self.server_args.tp_size == 1:
+            return []
+        if self.server_args.node_rank != 0:
+            raise ValueError("an Engine is tp rank 0 (--node-rank 0); start the other nodes' ranks with "
+                             "`sglite serve --node-rank N`")
+        set_dist_init_addr(self.server_args)
+        return launch_tp_followers(self.server_args)
+
+    def _stop_tp_ranks(self) -> None:
+        from sglite.managers.tp_worker import stop_tp_followers
+
+        if self._tp_followers:
+            destroy_model_parallel()
+            stop_tp_followers(self._tp_followers, timeout=0 if self._tp_failed else 10)
+            self._tp_followers = []
+
+    def _rank_died(self, e: TpRankDiedError) -> TpRankDiedError:
+        """The engine's error when a tp rank stops: which one and how."""
+        from sglite.managers.tp_worker import describe_dead_followers
+
+        self._tp_failed = True
+        deadline = time.monotonic() + 2.0  # its socket closes before the process is reaped
+        while not describe_dead_followers(self._tp_followers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        who = describe_dead_followers(self._tp_followers) or "a tp rank stopped answering"
+        return TpRankDiedError(f"the tensor-parallel engine cannot go on: {who}. ({e})")
 
     # --- requests ---------------------------------------------------------------------
 
@@ -114,8 +153,12 @@ class Engine:
     def step(self) -> list[BatchStrOut]:
         """Run exactly one scheduler iteration; what the requests produced in it."""
         with self._lock:
+            if self._tp_failed:
+                raise TpRankDiedError("the tensor-parallel engine stopped after a rank died; start a new one")
             try:
                 next(self._event_loop)
+            except TpRankDiedError as e:
+                raise self._rank_died(e) from e
             except BaseException:
                 self._event_loop = self.scheduler.event_loop()  # the failed one is closed
                 raise
@@ -241,9 +284,11 @@ class Engine:
             for rid, state in list(self._results.items()):
                 if not state.finished:
                     self.abort(rid)
-            if self.scheduler.has_work():
+            if self.scheduler.has_work() and not self._tp_failed:
                 self.step()
-            self.scheduler.shutdown()
+            if not self._tp_failed:
+                self.scheduler.shutdown()  # with tp > 1, rank 0 tells the others to stop
+            self._stop_tp_ranks()
         if self._froze_gc:
             self._froze_gc = False
             gc.unfreeze()  # frozen objects would outlive the interpreter's last collection

@@ -276,12 +276,16 @@ class ForwardStarted(Event):
 
 @dataclass(frozen=True)
 class ForwardFinished(Event):
+    """``tp_timings``: with --tp-size N, per rank (rank order) the seconds of its forward
+    and of the all-reduces / all-gathers in it (ModelRunner.last_tp_timings)."""
+
     bid: int = 0
     forward_mode: str = ""
     batch_size: int = 0
     num_tokens: int = 0
     backend: str = ""
     duration: float = 0.0
+    tp_timings: tuple[tuple[float, float], ...] = ()
 
 
 # --- cache ----------------------------------------------------------------------------

@@ -34,6 +34,13 @@ class ServerArgs:
                       choices=("auto", "float32", "bfloat16", "float16"))
     device: str = _opt("auto", "cpu, cuda, or auto (cuda when available)")
     context_length: int | None = _opt(None, "max tokens per request (prompt + output); default: the model's")
+    # tensor parallelism (sglite/distributed/; docs/tensor_parallel.md)
+    tp_size: int = _opt(1, "tensor-parallel ranks: one process per rank, each holding a shard of every layer "
+                        "(gloo on a CPU, NCCL on CUDA); rank 0 schedules, the others run its batches")
+    nnodes: int = _opt(1, "machines the tp ranks are spread over (each runs tp_size / nnodes of them)")
+    node_rank: int = _opt(0, "this machine's index among the nnodes; node 0 serves, the others only run their ranks")
+    dist_init_addr: str | None = _opt(None, "host:port where the ranks meet (rank 0 listens there); default: a free "
+                                      "port on 127.0.0.1 (one machine)")
     # memory
     max_total_tokens: int | None = _opt(None, "KV pool size in tokens; default: from mem_fraction_static")
     mem_fraction_static: float | None = _opt(
@@ -94,6 +101,19 @@ class ServerArgs:
             raise ValueError("chunked_prefill_size must be a multiple of page_size")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        self._check_tp()
+
+    def _check_tp(self) -> None:
+        if self.tp_size < 1 or self.nnodes < 1:
+            raise ValueError(f"tp_size and nnodes must be >= 1, got {self.tp_size} and {self.nnodes}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size {self.tp_size} must be a multiple of nnodes {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes), got {self.node_rank}")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (node 0's address), the same on every node")
+        if self.dist_init_addr is not None and not re.fullmatch(r"\[?[\w.:-]+\]?:\d+", self.dist_init_addr):
+            raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
 
     def _check_types(self) -> None:
         """Each field holds what its annotation says (ints are not bools, floats are finite)."""

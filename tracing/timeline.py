@@ -266,6 +266,7 @@ class TimelineBuilder:
                 "sglite.bid": p.bid, "sglite.forward_mode": fwd_end.forward_mode,
                 "sglite.batch_size": fwd_end.batch_size, "sglite.num_rows": fwd_end.num_tokens,
                 "sglite.attention_backend": fwd_end.backend}))
+            self._tp_rank_spans(node, fwd_start.ts, fwd_end)
             self._close(node, fwd_end.ts)
         # normal loop: run_batch includes the forward; overlap: it only launches it
         self._close(run, p.forwarded)
@@ -276,6 +277,18 @@ class TimelineBuilder:
                         done.resolved)
         self._close(process, done.ts)
         self._close(it, done.ts)
+
+    def _tp_rank_spans(self, forward: Node, start: float, fwd_end: ev.ForwardFinished) -> None:
+        """--tp-size N: one span per rank under the forward, as long as that rank's forward,
+        with the seconds its all-reduces took. Each rank timed itself in its own process:
+        the spans start with rank 0's forward (the others begin as its batch arrives)."""
+        if not fwd_end.tp_timings:
+            return
+        forward.attributes["sglite.tp_size"] = len(fwd_end.tp_timings)
+        for rank, (seconds, comm) in enumerate(fwd_end.tp_timings):
+            span = self._open(Node(f"forward TP{rank}", start, "phase", f"forward TP{rank}", forward, attributes={
+                "sglite.tp_rank": rank, "sglite.all_reduce_ms": round(comm * 1e3, 3)}))
+            self._close(span, start + seconds)
 
     def close_open(self, ts: float) -> None:
         """End whatever is still open (an engine shut down mid-request)."""

@@ -55,6 +55,12 @@ def pool_lines(v: View, width: int, throughput: float) -> list[Text]:
         f"admit: {stop}", f"{throughput:.1f} tok/s")]
 
 
+def tp_forward_line(timings: tuple[tuple[float, float], ...]) -> str:
+    """--tp-size N: each rank's last forward in ms, and rank 0's all-reduce share of it."""
+    ranks = " ".join(f"TP{r} {sec * 1e3:.1f}" for r, (sec, _) in enumerate(timings))
+    return f"fwd ms {ranks} (all-reduce {timings[0][1] * 1e3:.1f})"
+
+
 class IterationKeys:
     """The keys that move through a recording's iterations (a replay; two runs
     compared), for an App with ``index``, ``paused``, ``show_index(i)`` and
@@ -335,6 +341,8 @@ class SchedulerApp(IterationKeys, App):
             flight.append(f"#{v.bid} in flight")
         if v.overlap and v.processed_bid:
             flight.append(f"#{v.processed_bid} processed" if wide else f"#{v.processed_bid} done")
+        if v.tp_timings and wide:
+            flight.append(tp_forward_line(v.tp_timings))
         plan.set_border_titles(title, ", ".join(flight) or ("tokens; loc: KV slots" if v.bid else ""))
 
     def _top_line(self, v: View) -> str:
@@ -348,6 +356,8 @@ class SchedulerApp(IterationKeys, App):
         else:
             state = "paused" if self.paused else "running"
         loop = " · overlap loop" if v.overlap else " · normal loop" if v.has_snapshots else ""
+        if v.tp_timings:
+            loop += f" · tp {len(v.tp_timings)}"
         line = f"{state} · after iter {v.iteration}{loop} · {self.subtitle_base}"
         if hs is not None:
             line += " · " + (f"workload{'s' if len(hs.workloads) > 1 else ''} {' + '.join(hs.workloads)}"

@@ -127,6 +127,8 @@ class View:
     log: list[str] = field(default_factory=list)  # the last LOG_KEEP lines
     log_total: int = 0  # lines logged so far, so the screen can append only new ones
     has_snapshots: bool = True  # False for a recording made without them
+    # --tp-size N: per rank, (forward s, all-reduce s) of the newest forward (ForwardFinished)
+    tp_timings: tuple[tuple[float, float], ...] = ()
 
     def panels(self) -> dict[str, Any]:
         """What each panel shows, as plain data (replay tests compare these)."""
@@ -156,6 +158,7 @@ class ViewBuilder:
         self._snapshot: ev.SchedulerSnapshot | None = None
         self._tree: tuple[ev.TreeNodeRow, ...] = ()
         self._plan: ev.BatchPlanned | None = None
+        self._tp_timings: tuple[tuple[float, float], ...] = ()
         self._tokens = 0  # output tokens emitted this iteration
         self._first_ts: float | None = None
         self._rate: deque[tuple[float, int]] = deque()  # (end ts, output tokens) of recent iterations
@@ -188,6 +191,8 @@ class ViewBuilder:
             self._last_stop_logged = shown
         elif isinstance(e, ev.BatchPlanned):
             self._plan = e
+        elif isinstance(e, ev.ForwardFinished):
+            self._tp_timings = e.tp_timings
         elif isinstance(e, ev.SchedulerSnapshot):
             self._snapshot = e
             if e.tree is not None:
@@ -284,7 +289,7 @@ class ViewBuilder:
             cache_miss=dict(self.cache_miss),
             throughput=throughput, finished=self.finished, hit_rate_history=list(self.hit_rate_history),
             throughput_history=list(self.throughput_history), log=self.log[-LOG_KEEP:], log_total=len(self.log),
-            has_snapshots=s is not None,
+            has_snapshots=s is not None, tp_timings=self._tp_timings,
         )
         if s is not None:
             view.waiting = [(w.rid, w.prompt_tokens, w.prefix_len, it - self.queued_at.get(w.rid, it),

@@ -4,7 +4,9 @@
     main process:  uvicorn + FastAPI + ServerTokenizerManager (asyncio)
         │ ZMQ TokenizedGenerateReqInput / AbortReq / control requests
         ▼
-    scheduler process: Scheduler.event_loop, the model (sglite::scheduler)
+    scheduler process: Scheduler.event_loop, the model (sglite::scheduler_TP0)
+        │ ╰─ --tp-size N: gloo/NCCL to the ranks 1..N-1 (sglite::tp_worker_TP<r>),
+        │    which run each batch it sends on their shard of the model
         │ ZMQ [BatchTokenIDOut, ...] per iteration
         ▼
     detokenizer process: DetokenizerManager (sglite::detokenizer)
@@ -57,6 +59,8 @@ def launch_server(server_args: ServerArgs, serve_args: ServeArgs, viewer_args: A
     """Start the processes, serve until stopped, stop them. Returns an exit status.
     ``viewer_args``: the CLI's options for the viewers (--record, tracing), which attach
     in the scheduler's process (and, for tracing, the HTTP side)."""
+    if server_args.node_rank > 0:
+        return _serve_other_node(server_args)
     folder = tempfile.mkdtemp(prefix="sglite-serve-")
     if serve_args.enable_metrics:  # before prometheus_client is imported in any process
         os.makedirs(f"{folder}/metrics")
@@ -102,8 +106,9 @@ def _serve(server_args: ServerArgs, serve_args: ServeArgs, port_args: PortArgs, 
 
     async def main() -> None:
         watchdog = asyncio.create_task(_watchdog(children, server))
+        tp = f", tp {server_args.tp_size}" if server_args.tp_size > 1 else ""
         print(f"sglite serve: {model_name} on http://{serve_args.host}:{serve_args.port} "
-              f"({ready.get('dtype', '?')}, pool {info.max_total_num_tokens} tokens; Ctrl-C stops)", file=sys.stderr,
+              f"({ready.get('dtype', '?')}{tp}, pool {info.max_total_num_tokens} tokens; Ctrl-C stops)", file=sys.stderr,
               flush=True)
         await server.serve()
         watchdog.cancel()
@@ -159,6 +164,7 @@ def _launch_subprocesses(server_args: ServerArgs, port_args: PortArgs, labels: d
     detokenizer with that tokenizer; returns the scheduler's ready message."""
     from sglite.managers.detokenizer_manager import run_detokenizer_process
     from sglite.managers.scheduler_process import run_scheduler_process
+    from sglite.managers.tp_worker import launch_tp_followers, set_dist_init_addr
 
     ctx = multiprocessing.get_context("spawn")
     # the scheduler's OpenMP threads share the cores with this process, the detokenizer
@@ -166,6 +172,8 @@ def _launch_subprocesses(server_args: ServerArgs, port_args: PortArgs, labels: d
     # less to them (+4-8 % at 32 in flight on 2 cores, benchmarks/results/serving-*.md);
     # the children read it when they start (OMP_WAIT_POLICY set by the user wins)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    set_dist_init_addr(server_args)  # --tp-size > 1 on one machine: a free loopback port
+    children.extend(launch_tp_followers(server_args))  # first: the watchdog names a dead one before rank 0
     reader, writer = ctx.Pipe(duplex=False)
     scheduler = ctx.Process(target=run_scheduler_process, args=(server_args, port_args, writer, labels, viewer_args),
                             name="sglite::scheduler", daemon=True)
@@ -175,8 +183,9 @@ def _launch_subprocesses(server_args: ServerArgs, port_args: PortArgs, labels: d
     waited = 0.0
     while not reader.poll(0.5):
         waited += 0.5
-        if not scheduler.is_alive():
-            raise ServerStartError(f"the scheduler process exited while loading (exit code {scheduler.exitcode})")
+        dead = next((c for c in children if not c.is_alive()), None)
+        if dead is not None:
+            raise ServerStartError(f"{dead.name} exited while loading (exit code {dead.exitcode})")
         if waited > READY_TIMEOUT:
             raise ServerStartError(f"the scheduler was not ready after {READY_TIMEOUT:.0f} s")
     ready = reader.recv()
@@ -187,6 +196,27 @@ def _launch_subprocesses(server_args: ServerArgs, port_args: PortArgs, labels: d
     detokenizer.start()
     children.append(detokenizer)
     return ready
+
+
+def _serve_other_node(server_args: ServerArgs) -> int:
+    """--node-rank N > 0: run this machine's tp ranks for node 0's scheduler until they
+    stop (rank 0 stops them) or this process is stopped."""
+    from sglite.managers.tp_worker import launch_tp_followers, node_tp_ranks
+
+    ranks = node_tp_ranks(server_args)
+    print(f"sglite serve: node {server_args.node_rank} runs tp ranks {ranks.start}..{ranks.stop - 1} for the "
+          f"scheduler at {server_args.dist_init_addr} (Ctrl-C stops)", file=sys.stderr, flush=True)
+    procs = launch_tp_followers(server_args)
+    stop = lambda signum, frame: _stop(procs)  # noqa: E731
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for p in procs:
+            p.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _stop(procs)
+    return 0 if all(p.exitcode == 0 for p in procs) else 1
 
 
 async def _watchdog(children: list[Any], server: Any) -> None:

@@ -13,6 +13,7 @@ from collections import deque
 from typing import Callable, Iterator
 
 from sglite import events as ev
+from sglite.distributed.parallel_state import TpRankDiedError
 from sglite.managers.io_struct import (AbortReq, BatchTokenIDOut, ExplainReq, ExplainReqOutput, FlushCacheReqInput,
                                       FlushCacheReqOutput, GetInternalStateReq, GetInternalStateReqOutput,
                                       TokenizedGenerateReqInput)
@@ -127,8 +128,8 @@ class Scheduler:
         while True:
             try:
                 yield from (self.event_loop_overlap() if self.enable_overlap else self.event_loop_normal())
-            except (KVAccountingError, KVDoubleFreeError):
-                raise
+            except (KVAccountingError, KVDoubleFreeError, TpRankDiedError):
+                raise  # the engine's own state is broken (or a tp rank is gone): no request can fix it
             except Exception as e:  # noqa: BLE001 - any error of one round
                 self.recovery.fail_round(e)
                 self._end_iteration(None)

@@ -202,6 +202,7 @@ class SchedulerObserver:
                                               iteration=result.iteration)
                 if event_cls is ev.ForwardFinished:
                     fields["duration"] = result.forward_time
+                    fields["tp_timings"] = tuple(tuple(t) for t in result.tp_timings)
                 self.event_bus.emit(event_cls, **fields)
         if batch.forward_mode.is_decode():
             self.num_generated_tokens += batch.batch_size()  # as SGLang counts it: decode rows

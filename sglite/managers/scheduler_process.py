@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
+from sglite.distributed.parallel_state import TpRankDiedError
 from sglite.managers.detokenizer_manager import DetokenizerManager
 from sglite.managers.io_struct import (BatchTokenIDOut, DebugControlReq, DebugControlReqOutput, ExplainReq,
                                       FlushCacheReqInput, GetInternalStateReq)
@@ -50,6 +52,9 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Co
         _serve(scheduler, server_args, port_args, pipe, metrics_labels, parent)
     except SystemExit:
         pass
+    except TpRankDiedError as e:  # the server's watchdog sees this process exit and stops
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
     finally:
         close_viewers()
 
@@ -76,7 +81,8 @@ def _serve(scheduler: Any, server_args: ServerArgs, port_args: PortArgs, pipe: C
                "max_req_input_len": scheduler.max_req_input_len, "tokenizer": scheduler.tokenizer,
                "vocab_size": scheduler.model_config.vocab_size,
                "context_len": scheduler.tp_worker.model_runner.context_len, "pid": os.getpid(),
-               "dtype": str(scheduler.tp_worker.model_runner.dtype).removeprefix("torch.")})
+               "dtype": str(scheduler.tp_worker.model_runner.dtype).removeprefix("torch."),
+               "tp_size": server_args.tp_size})
     loop.run(parent)
 
 

@@ -5,14 +5,27 @@ It owns the ModelRunner (the model, the KV pools, the attention backend) and tur
 ``TpModelWorkerClient`` (tp_worker_overlap_thread.py) with the same interface, so the
 scheduler calls ``forward_batch_generation`` then ``resolve_last_batch_result`` in
 both loops and never asks which worker it has.
+
+With ``--tp-size N`` the scheduler's worker is rank 0's; ranks 1..N-1 are processes of
+their own (``launch_tp_followers``, ``run_tp_follower_process``: sglite::tp_worker_TP<r>)
+that hold a ModelRunner with their shard and run every forward rank 0 sends them
+(ModelRunner.follow). Unlike SGLang, whose every rank runs a Scheduler that receives
+the broadcast requests and makes the same decisions, sglite's other ranks receive the
+decided batch: one scheduler, so no decision can differ between ranks
+(docs/tensor_parallel.md says why).
 """
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
+import os
+import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +53,8 @@ class GenerationBatchResult:
     future_token_ids: list[int] = field(default_factory=list)  # overlap: the placeholders
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    # tp > 1: per rank, [its forward's seconds, of which in all-reduce / all-gather]
+    tp_timings: list[list[float]] = field(default_factory=list)
 
     @property
     def forward_time(self) -> float:
@@ -53,11 +68,13 @@ def run_forward(model_runner: ModelRunner, forward_batch: ForwardBatch, result: 
     next_token_ids = model_runner.sample(logits, forward_batch)
     result.next_token_ids = next_token_ids.tolist()
     result.forward_finished = time.monotonic()
+    result.tp_timings = model_runner.last_tp_timings
     return next_token_ids
 
 
 class TpModelWorker:
-    """One model replica (sglite runs tensor-parallel size 1)."""
+    """Rank 0's model worker: the whole model at tp 1, its shard at tp N (the other
+    ranks follow in their own processes)."""
 
     def __init__(self, server_args: ServerArgs, model_runner: ModelRunner | None = None):
         self.server_args = server_args
@@ -90,4 +107,91 @@ class TpModelWorker:
         return result.next_token_ids
 
     def shutdown(self) -> None:
-        """Nothing runs in the background of the normal worker."""
+        """Nothing runs in the background of the normal worker; with tp > 1 the other
+        ranks are told to stop."""
+        self.model_runner.shutdown()
+
+
+# --- the other tensor-parallel ranks ---------------------------------------------------
+
+logger = logging.getLogger("sglite")
+PARENT_POLL = 1.0  # seconds between a follower's checks that the process that started it is alive
+
+
+def node_tp_ranks(server_args: ServerArgs) -> range:
+    """The tp ranks this machine runs (--nnodes, --node-rank)."""
+    per_node = server_args.tp_size // server_args.nnodes
+    return range(server_args.node_rank * per_node, (server_args.node_rank + 1) * per_node)
+
+
+def set_dist_init_addr(server_args: ServerArgs) -> None:
+    """One machine and no --dist-init-addr: a free loopback port for rank 0 to listen on."""
+    if server_args.tp_size > 1 and server_args.dist_init_addr is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            server_args.dist_init_addr = f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def launch_tp_followers(server_args: ServerArgs) -> list[Any]:
+    """Start this machine's tp ranks other than rank 0, as processes that stop when
+    their parent does. Call set_dist_init_addr first."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = []
+    for rank in node_tp_ranks(server_args):
+        if rank == 0:
+            continue
+        p = ctx.Process(target=run_tp_follower_process, args=(server_args, rank), name=f"sglite::tp_worker_TP{rank}",
+                        daemon=True)
+        p.start()
+        procs.append(p)
+    return procs
+
+
+def describe_dead_followers(procs: list[Any]) -> str:
+    """'rank 1 (pid 123) exited with code -9', for those that stopped; '' if none."""
+    dead = [p for p in procs if not p.is_alive()]
+    return "; ".join(f"tp rank {p.name.rsplit('TP', 1)[1]} (pid {p.pid}) exited with code {p.exitcode}" for p in dead)
+
+
+def stop_tp_followers(procs: list[Any], timeout: float = 10.0) -> None:
+    """Wait for followers told to stop (rank 0's shutdown); kill those that do not."""
+    for p in procs:
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def run_tp_follower_process(server_args: ServerArgs, tp_rank: int) -> None:
+    """Rank ``tp_rank``: load its shard, then run rank 0's forwards until told to stop.
+    Exits 1 with a one-line error if rank 0 goes away or the load fails."""
+    import setproctitle
+
+    from sglite.distributed.parallel_state import TpRankDiedError
+    from sglite.engine import _setup_logging
+
+    setproctitle.setproctitle(f"sglite::tp_worker_TP{tp_rank}")
+    _setup_logging(server_args.log_level)
+    _exit_with_parent(os.getppid())
+    try:
+        runner = ModelRunner(server_args, tp_rank=tp_rank)
+        runner.follow()
+        runner.shutdown()
+    except TpRankDiedError as e:
+        print(f"sglite tp rank {tp_rank}: rank 0 went away, stopping ({e})", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except Exception as e:  # noqa: BLE001 - rank 0 reports the engine's failure; this is the rank's
+        print(f"error: sglite tp rank {tp_rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A follower blocked in a collective cannot look at its parent: a thread does, and
+    ends the process when the parent is gone (nothing is left behind a killed engine)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="sglite-parent-watch").start()

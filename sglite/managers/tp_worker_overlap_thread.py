@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sglite.distributed.parallel_state import TpRankDiedError
 from sglite.managers.tp_worker import GenerationBatchResult, TpModelWorker, run_forward
 from sglite.model_executor.forward_batch_info import ForwardBatch
 
@@ -92,6 +93,8 @@ class TpModelWorkerClient:
         """Wait for the forward to finish; its sampled token ids."""
         result.done.wait()
         result.resolved = time.monotonic()
+        if isinstance(result.error, TpRankDiedError):
+            raise result.error  # the engine stops; the scheduler must see what it is
         if result.error is not None:
             raise RuntimeError(f"the forward of batch {result.bid} failed: {result.error!r}") from result.error
         assert result.next_token_ids is not None

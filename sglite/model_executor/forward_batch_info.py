@@ -105,3 +105,52 @@ class ForwardBatch:
                 [torch.arange(p, p + e, dtype=torch.int64) for p, e in zip(prefix, extend)]
             ).to(device) if bs else torch.empty(0, dtype=torch.int64, device=device)
         return fb
+
+
+@dataclass
+class ForwardBatchBroadcast:
+    """What tensor-parallel rank 0 sends the other ranks before each forward
+    (ModelRunner.forward; docs/tensor_parallel.md). Only rank 0 schedules: the others
+    have no requests, no allocator and no radix tree, only a KV pool for their heads at
+    the same slot indices and a req_to_token table that this message keeps equal to
+    rank 0's for the rows the forward reads. Its fields are the ModelWorkerBatch's
+    that ForwardBatch.init_new reads, plus ``prefix_slots``: the KV slots of each
+    extend row's cached prefix (the radix tree's match, or its own earlier chunks),
+    which only rank 0's table has. A decode row's earlier slots were sent when it was
+    prefilled; its new slot is its out_cache_loc."""
+
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor  # on the CPU
+    req_pool_indices: list[int]
+    seq_lens: list[int]
+    out_cache_loc: torch.Tensor
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    prefix_slots: torch.Tensor  # extend: req_to_token[idx, :prefix_len] of each row, one after another
+    return_all_logits: bool = False
+    sampling_info: None = None  # the other ranks do not sample
+
+    @classmethod
+    def of(cls, fb: ForwardBatch) -> "ForwardBatchBroadcast":
+        assert fb.req_to_token_pool is not None
+        table = fb.req_to_token_pool.req_to_token
+        prefix = fb.extend_prefix_lens_cpu or []
+        slots = [table[idx, :p] for idx, p in zip(fb.req_pool_indices.tolist(), prefix)]
+        return cls(fb.forward_mode, fb.input_ids.cpu(), fb.req_pool_indices.tolist(), list(fb.seq_lens_cpu),
+                   fb.out_cache_loc.cpu(), prefix, fb.extend_seq_lens_cpu or [],
+                   torch.cat(slots).cpu() if slots else torch.empty(0, dtype=torch.int64), fb.return_all_logits)
+
+    def to_forward_batch(self, model_runner: "ModelRunner") -> ForwardBatch:
+        """Write the rows' slots into this rank's req_to_token, then the ForwardBatch."""
+        table = model_runner.req_to_token_pool.req_to_token
+        rows = torch.as_tensor(self.req_pool_indices, dtype=torch.int64)
+        if self.forward_mode.is_decode():
+            table[rows.to(table.device), torch.as_tensor(self.seq_lens, device=table.device) - 1] = \
+                self.out_cache_loc.to(table.device)
+        else:
+            done, row_start = 0, 0
+            for idx, p, e in zip(self.req_pool_indices, self.prefix_lens, self.extend_lens):
+                table[idx, :p] = self.prefix_slots[done : done + p].to(table.device)
+                table[idx, p : p + e] = self.out_cache_loc[row_start : row_start + e].to(table.device)
+                done, row_start = done + p, row_start + e
+        return ForwardBatch.init_new(self, model_runner)  # type: ignore[arg-type]

@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
 from sglite.configs.model_config import ModelConfig
+from sglite.distributed.parallel_state import (GroupCoordinator, destroy_model_parallel, get_tp_group,
+                                               init_distributed_environment)
+from sglite.distributed.utils import head_shard
 from sglite.layers.attention.base_attn_backend import AttentionBackend
 from sglite.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglite.layers.custom_op import set_custom_op_impl
 from sglite.layers.rotary_embedding import RotaryEmbedding
 from sglite.layers.sampler import Sampler
 from sglite.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator, page_align_down
-from sglite.model_executor.forward_batch_info import ForwardBatch
+from sglite.model_executor.forward_batch_info import ForwardBatch, ForwardBatchBroadcast
 from sglite.models.llama import LlamaForCausalLM
 from sglite.server_args import ServerArgs, resolve_device
 
@@ -129,12 +133,18 @@ def _available_memory_bytes(device: str) -> int:
 
 class ModelRunner:
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig | None = None,
-                 weights: dict[str, torch.Tensor] | None = None):
-        """Load ``server_args.model_path`` unless ``model_config`` and ``weights`` are given."""
+                 weights: dict[str, torch.Tensor] | None = None, tp_rank: int = 0):
+        """Load ``server_args.model_path`` unless ``model_config`` and ``weights`` are
+        given. With ``--tp-size N`` this is rank ``tp_rank``'s runner: it joins the group
+        first (the layers read their rank) and holds its shard of the model and the KV
+        heads of its query heads."""
         self.server_args = server_args
         self.device = resolve_device(server_args.device)
+        self.tp_size, self.tp_rank = server_args.tp_size, tp_rank
+        self.tp_group = self.init_torch_distributed()
+        self.last_tp_timings: list[list[float]] = []  # per rank: [forward s, collectives s] of the last forward
         self.dtype = resolve_dtype(server_args.dtype, self.device)
-        if self.device == "cpu":
+        if self.device == "cpu" and tp_rank == 0:
             logger.info(describe_cpu_dtype(server_args.dtype, self.dtype))
         if server_args.attention_backend == "triton":
             from sglite.layers.triton_utils import check_triton_usable
@@ -147,6 +157,9 @@ class ModelRunner:
             loaded = load_model(server_args.model_path, dtype=self.dtype)
             model_config, weights, self.tokenizer = loaded.config, loaded.weights, loaded.tokenizer
         self.model_config = model_config
+        # the KV heads this rank's pool holds (all of them at tp 1)
+        self.num_kv_heads = head_shard(model_config.num_attention_heads, model_config.num_key_value_heads,
+                                       self.tp_size, tp_rank).num_kv_heads
         # after the weights: a bad model path fails before a first run compiles the CPU kernel
         self.attention_backend = resolve_attention_backend(server_args.attention_backend, self.device, self.dtype)
         self.context_len = min(server_args.context_length or model_config.context_len, model_config.context_len)
@@ -158,6 +171,23 @@ class ModelRunner:
         self.attn_backend = self._build_attn_backend()
         self.init_cuda_graphs()
         self.init_cpu_graph()
+
+    def init_torch_distributed(self) -> GroupCoordinator:
+        """tp 1: no group. Else join the ranks at --dist-init-addr (gloo on a CPU, NCCL on
+        CUDA, each rank its own GPU of this node)."""
+        sa = self.server_args
+        if self.tp_size == 1:
+            return get_tp_group()
+        if sa.dist_init_addr is None:
+            raise ValueError("--tp-size > 1: the ranks meet at --dist-init-addr, which Engine and sglite serve set "
+                             "when they start the ranks; a ModelRunner alone cannot start them")
+        if self.device.startswith("cuda"):
+            self.device = f"cuda:{self.tp_rank % (self.tp_size // sa.nnodes)}"
+            torch.cuda.set_device(self.device)
+        group = init_distributed_environment(self.tp_size, self.tp_rank, f"tcp://{sa.dist_init_addr}", self.device)
+        logger.info("tensor parallel: rank %d of %d (%s)", self.tp_rank, self.tp_size,
+                    "nccl" if self.device.startswith("cuda") else "gloo")
+        return group
 
     def _build_model(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> LlamaForCausalLM:
         with torch.device("meta"):
@@ -177,7 +207,7 @@ class ModelRunner:
         if self.attention_backend == "triton":
             from sglite.layers.attention.triton_backend import TritonAttnBackend
 
-            return TritonAttnBackend(self.device, self.model_config.num_key_value_heads)
+            return TritonAttnBackend(self.device, self.num_kv_heads)
         if self.attention_backend == "cpu":
             from sglite.layers.attention.cpu_backend import CpuAttnBackend
 
@@ -188,6 +218,10 @@ class ModelRunner:
         """Capture decode forwards in CUDA graphs: CUDA only, backends that allow it."""
         self.cuda_graph_runner = None
         if not self.device.startswith("cuda") or self.server_args.disable_cuda_graph:
+            return
+        if self.tp_size > 1:
+            if self.tp_rank == 0:
+                logger.info("CUDA graphs off: sglite does not capture the all-reduces of --tp-size > 1")
             return
         if not self.attn_backend.supports_cuda_graph:
             logger.info("CUDA graphs off: the %s attention backend cannot be captured", self.attn_backend.name)
@@ -201,26 +235,34 @@ class ModelRunner:
         self.cpu_graph_runner = None
         if self.attention_backend != "cpu" or self.server_args.disable_cpu_graph:
             return
+        if self.tp_size > 1:
+            if self.tp_rank == 0:
+                logger.info("CPU graph off: its one C++ call has no all-reduce between layers (--tp-size > 1)")
+            return
         from sglite.model_executor.cpu_graph_runner import CpuGraphRunner
 
         self.cpu_graph_runner = CpuGraphRunner(self)
 
     def profile_max_num_token(self) -> int:
         c = self.model_config
-        cell = MHATokenToKVPool.cell_size(c.num_key_value_heads, c.head_dim, c.num_hidden_layers, self.dtype)
+        cell = MHATokenToKVPool.cell_size(self.num_kv_heads, c.head_dim, c.num_hidden_layers, self.dtype)
         avail = _available_memory_bytes(self.device)
         frac = self.server_args.mem_fraction_static
         if self.device.startswith("cuda"):
             budget = avail * (frac if frac is not None else DEFAULT_MEM_FRACTION_CUDA)
         else:
-            # weights already sit in RAM; give the KV pool a modest share of what is left
-            budget = avail * (frac if frac is not None else DEFAULT_MEM_FRACTION_CPU)
+            # weights already sit in RAM; give the KV pool a modest share of what is left,
+            # shared by the tp ranks of this machine (they all see the same RAM free)
+            ranks_here = self.tp_size // self.server_args.nnodes
+            budget = avail * (frac if frac is not None else DEFAULT_MEM_FRACTION_CPU) / ranks_here
         return int(budget // cell)
 
     def init_memory_pool(self) -> None:
         sa = self.server_args
         c = self.model_config
         max_total = sa.max_total_tokens or self.profile_max_num_token()
+        # every rank's pool has the same slots (rank 0's allocator hands them out for all)
+        max_total = self.tp_group.all_reduce_min(max_total)
         max_total = max(sa.page_size, page_align_down(max_total, sa.page_size))
         self.max_total_num_tokens = max_total
         max_reqs = sa.max_running_requests or max(1, min(DEFAULT_MAX_RUNNING_REQUESTS_CAP, max_total // 2))
@@ -231,12 +273,43 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(rows, self.context_len + REQ_TO_TOKEN_EXTRA_COLUMNS, self.device)
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_total, sa.page_size, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
-            max_total, sa.page_size, self.dtype, c.num_key_value_heads, c.head_dim, c.num_hidden_layers, self.device
+            max_total, sa.page_size, self.dtype, self.num_kv_heads, c.head_dim, c.num_hidden_layers, self.device
         )
-        logger.info("KV pool: %d tokens, %d request slots", max_total, max_reqs)
+        if self.tp_rank == 0:
+            logger.info("KV pool: %d tokens, %d request slots", max_total, max_reqs)
 
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Logits: one row per request (its last row), or every row with return_all_logits."""
+        """Logits: one row per request (its last row), or every row with return_all_logits.
+        With tp > 1, rank 0 first sends the batch to the other ranks (``follow``); every
+        rank then runs the forward on its shard, and the ranks' times are gathered into
+        ``last_tp_timings``."""
+        if self.tp_size == 1:
+            return self._forward(forward_batch)
+        if self.tp_group.is_first_rank:
+            self.tp_group.broadcast_pyobj(ForwardBatchBroadcast.of(forward_batch))
+        start, _ = time.perf_counter(), self.tp_group.take_comm_time()
+        logits = self._forward(forward_batch)
+        mine = [time.perf_counter() - start, self.tp_group.take_comm_time()]
+        self.last_tp_timings = self.tp_group.gather_floats(mine)
+        return logits
+
+    def follow(self) -> None:
+        """Ranks 1..N-1: run rank 0's forwards until it says stop (``shutdown``)."""
+        while True:
+            batch = self.tp_group.broadcast_pyobj(None)
+            if batch is None:
+                return
+            self.forward(batch.to_forward_batch(self))
+
+    def shutdown(self) -> None:
+        """Rank 0 tells the other ranks to stop; every rank leaves the group."""
+        if self.tp_size > 1 and self.tp_group.world_size > 1:
+            if self.tp_group.is_first_rank:
+                self.tp_group.broadcast_pyobj(None)
+            destroy_model_parallel()
+            self.tp_group = get_tp_group()
+
+    def _forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
             return self.cuda_graph_runner.replay(forward_batch)
         if self.cpu_graph_runner is not None and self.cpu_graph_runner.can_run(forward_batch):

@@ -2,7 +2,10 @@
 Qwen2-style QKV bias; GQA; tied or untied embeddings (SGLang: models/llama.py).
 
 Like SGLang, q/k/v are one fused ``qkv_proj`` and gate/up one ``gate_up_proj``;
-``load_weights`` stacks the Hugging Face tensors into them."""
+``load_weights`` stacks the Hugging Face tensors into them. The layers are the
+tensor-parallel ones (layers/linear.py, layers/vocab_parallel_embedding.py): at
+``--tp-size N`` each rank builds the same model with its shard of every weight, and
+each decoder layer does two all-reduces (after o_proj, after down_proj)."""
 
 from __future__ import annotations
 
@@ -14,18 +17,22 @@ from torch import nn
 from sglite.configs.model_config import ModelConfig
 from sglite.layers.activation import SiluAndMul
 from sglite.layers.layernorm import RMSNorm
-from sglite.layers.linear import ReplicatedLinear
+from sglite.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
+                                  RowParallelLinear)
 from sglite.layers.logits_processor import LogitsProcessor
 from sglite.layers.radix_attention import RadixAttention
 from sglite.layers.rotary_embedding import get_rope
+from sglite.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from sglite.model_executor.forward_batch_info import ForwardBatch
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_up_proj = ReplicatedLinear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias=False)
+        # each rank: its slice of the intermediate features (gate and up alike), then a
+        # partial down projection summed over the ranks
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size])
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -35,15 +42,16 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = ReplicatedLinear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
-        )
-        self.o_proj = ReplicatedLinear(self.q_size, config.hidden_size, bias=False)
+        # this rank's query heads and their KV heads (all of them at tp 1)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=config.attention_bias)
+        heads = self.qkv_proj.heads
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        # o_proj's input features are the heads' outputs: a rank holds the columns of its heads
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        input_shard=(heads.q_start * self.head_dim, self.q_size))
         self.rotary_emb = get_rope(
             self.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
@@ -89,7 +97,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -103,11 +111,11 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # (fused parameter, Hugging Face name, shard index)
+    # (fused parameter, Hugging Face name, shard id)
     stacked_params_mapping = [
-        ("qkv_proj", "q_proj", 0),
-        ("qkv_proj", "k_proj", 1),
-        ("qkv_proj", "v_proj", 2),
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
         ("gate_up_proj", "gate_proj", 0),
         ("gate_up_proj", "up_proj", 1),
     ]
@@ -116,12 +124,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = None if config.tie_word_embeddings else ReplicatedLinear(
-            config.hidden_size, config.vocab_size, bias=False
-        )
-        # the LM head as a packed layer (pack_linear_weights); a tied head packs a copy
+        self.lm_head = None if config.tie_word_embeddings else ParallelLMHead(config.vocab_size, config.hidden_size)
+        # the LM head as a packed layer (pack_linear_weights), over a copy of its weight
         self.packed_lm_head: ReplicatedLinear | None = None
-        self.logits_processor = LogitsProcessor()
+        self.logits_processor = LogitsProcessor(config.vocab_size)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -131,10 +137,9 @@ class LlamaForCausalLM(nn.Module):
         """Pack every linear layer and the LM head for the CPU's bfloat16 kernels (a
         bfloat16 model on a CPU, after its weights load); the embedding stays as it is."""
         for module in self.modules():
-            if isinstance(module, ReplicatedLinear):
+            if isinstance(module, LinearBase):
                 module.pack()
-        self.packed_lm_head = (self.lm_head if self.lm_head is not None
-                               else ReplicatedLinear.packed_from(self.model.embed_tokens.weight))
+        self.packed_lm_head = ReplicatedLinear.packed_from(self.lm_head_weight)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -142,44 +147,42 @@ class LlamaForCausalLM(nn.Module):
         head = self.packed_lm_head if self.packed_lm_head is not None else self.lm_head_weight
         return self.logits_processor(hidden_states, head, forward_batch)
 
-    def _shard_sizes(self, fused: str) -> list[int]:
-        c = self.config
-        if fused == "qkv_proj":
-            kv = c.num_key_value_heads * c.head_dim
-            return [c.num_attention_heads * c.head_dim, kv, kv]
-        return [c.intermediate_size, c.intermediate_size]
+    def _shard_ids(self, fused: str) -> list[int | str]:
+        return [shard for f, _, shard in self.stacked_params_mapping if f == fused]
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Each Hugging Face tensor goes to its layer's ``weight_loader``, which keeps this
+        rank's part (q/k/v and gate/up into their fused layer); every parameter must be
+        loaded, every part of a fused one."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         for name, w in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
-            for fused, part, shard in self.stacked_params_mapping:
+            target, shard = name, None
+            for fused, part, shard_id in self.stacked_params_mapping:
                 if f".{part}." in name:
-                    target = name.replace(part, fused)
-                    sizes = self._shard_sizes(fused)
-                    off = sum(sizes[:shard])
-                    param = params[target]
-                    if w.shape[0] != sizes[shard]:
-                        raise ValueError(f"{name}: shape {tuple(w.shape)} does not fit {fused} shard {shard}")
-                    param.data[off : off + sizes[shard]].copy_(w)
-                    loaded.add(f"{target}#{shard}")
+                    target, shard = name.replace(part, fused), shard_id
                     break
+            if target not in params:
+                raise ValueError(f"unexpected weight {name}")
+            module_name, param_name = target.rsplit(".", 1)
+            loader = getattr(modules[module_name], "weight_loader", None)
+            if loader is not None:
+                loader(param_name, w, shard)
+            elif params[target].shape != w.shape:
+                raise ValueError(f"{name}: shape {tuple(w.shape)} != {tuple(params[target].shape)}")
             else:
-                if name not in params:
-                    raise ValueError(f"unexpected weight {name}")
-                if params[name].shape != w.shape:
-                    raise ValueError(f"{name}: shape {tuple(w.shape)} != {tuple(params[name].shape)}")
-                params[name].data.copy_(w)
-                loaded.add(name)
+                params[target].data.copy_(w)
+            loaded.add(target if shard is None else f"{target}#{shard}")
         missing = []
         for n in params:
             fused = next((f for f, _, _ in self.stacked_params_mapping if f".{f}." in n), None)
-            want = [n] if fused is None else [f"{n}#{i}" for i in range(len(self._shard_sizes(fused)))]
+            want = [n] if fused is None else [f"{n}#{i}" for i in self._shard_ids(fused)]
             missing += [w for w in want if w not in loaded]
         if missing:
             raise ValueError(f"weights missing for: {', '.join(missing[:5])}")

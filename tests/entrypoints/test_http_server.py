@@ -398,3 +398,26 @@ def test_a_served_recording_reruns_offline_event_for_event(tmp_path):
             texts[e.rid] += e.text
     assert sorted(texts.values()) == sorted(served)
     assert all(len(r.output) == new_tokens for r in summarize(again).values())
+
+
+def test_tp2_serves_the_offline_engine_s_tokens_and_stops_when_a_rank_dies(engine):
+    """`sglite serve --tp-size 2`: rank 1 is a process of its own beside the scheduler
+    (rank 0); the answers are tp 1's; killing rank 1 stops the whole server with a line
+    that names it, and leaves no process behind."""
+    s = Server("--tp-size", "2")
+    kids = children_of(s.proc.pid)
+    names = {open(f"/proc/{k}/cmdline").read().split("\0")[0] for k in kids}
+    assert {"sglite::scheduler_TP0", "sglite::tp_worker_TP1"} <= names, names
+    for prompt in PROMPTS:
+        got = httpx.post(f"{s.url}/generate", json={"text": prompt, "sampling_params": {
+            "max_new_tokens": 12, "temperature": 0}}, timeout=60).json()
+        assert got["output_ids"] == greedy(engine, prompt=prompt)["output_ids"]
+    rank1 = next(k for k in kids if open(f"/proc/{k}/cmdline").read().startswith("sglite::tp_worker_TP1"))
+    os.kill(rank1, signal.SIGKILL)
+    _, err = s.proc.communicate(timeout=60)
+    assert s.proc.returncode == 1 and "sglite::tp_worker_TP1 exited (exit code -9)" in err, err
+    assert "(float32, tp 2, pool" in err and "Traceback" not in err, err
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{k}") and "Z" not in _proc_state(k) for k in kids):
+        time.sleep(0.1)
+    assert not [k for k in kids if os.path.exists(f"/proc/{k}") and "Z" not in _proc_state(k)]

@@ -1,0 +1,1 @@
+"""Tensor parallelism's process groups and collectives (SGLang: distributed/)."""

@@ -1,0 +1,188 @@
+"""The tensor-parallel group (SGLang: distributed/parallel_state.py).
+
+Every process of a ``--tp-size N`` engine calls ``init_distributed_environment`` once
+(before its model is built: the parallel layers read their rank here) and
+``destroy_model_parallel`` when it stops. Without it, or with N = 1, the group is a
+single rank and its collectives return their input: tp 1 runs no torch.distributed.
+
+The group holds two torch process groups over the same ranks: ``device_group`` for the
+forward's all-reduce and all-gather (NCCL on CUDA, gloo on a CPU) and ``cpu_group``
+(always gloo) for ``broadcast_pyobj``, the leader's batch sent to the other ranks. It
+also adds up the seconds its collectives took (``take_comm_time``): on a CPU gloo
+returns when the data is there, so this is the all-reduce's real cost; on CUDA NCCL
+returns at once and the number is only the launch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Iterator
+
+import torch
+
+# a rank waits for the leader's next batch in a collective: an idle server waits there
+# for as long as it is idle, so the groups' timeout is long; a rank that dies is seen at
+# once (its sockets close and the collective raises)
+GROUP_TIMEOUT = timedelta(days=30)
+# how long the ranks wait for each other to start (rank 0's store waits for the others)
+RENDEZVOUS_TIMEOUT = timedelta(seconds=300)
+
+
+class TpRankDiedError(RuntimeError):
+    """A tensor-parallel rank stopped: the engine cannot go on without its shard."""
+
+
+@dataclass
+class GroupCoordinator:
+    rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+    device_group: Any = None  # torch ProcessGroup, None for a single rank
+    cpu_group: Any = None
+    comm_time: float = field(default=0.0)  # seconds in all_reduce / all_gather since take_comm_time
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the ranks, in place."""
+        if self.world_size == 1:
+            return t
+        import torch.distributed as dist
+
+        start = time.perf_counter()
+        with _rank_loss("all_reduce"):
+            dist.all_reduce(t, group=self.device_group)
+        self.comm_time += time.perf_counter() - start
+        return t
+
+    def all_reduce_min(self, value: int) -> int:
+        """The smallest of the ranks' ``value`` (each rank's KV pool size: the pools must match)."""
+        if self.world_size == 1:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64)
+        with _rank_loss("all_reduce"):
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``t`` side by side along the last dimension (rank order); the
+        ranks' tensors have the same shape."""
+        if self.world_size == 1:
+            return t
+        import torch.distributed as dist
+
+        start = time.perf_counter()
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        with _rank_loss("all_gather"):
+            dist.all_gather(parts, t.contiguous(), group=self.device_group)
+        self.comm_time += time.perf_counter() - start
+        return torch.cat(parts, dim=-1)
+
+    def gather_floats(self, values: list[float]) -> list[list[float]]:
+        """Every rank's ``values`` (the same count on each), rank by rank; on the CPU group."""
+        if self.world_size == 1:
+            return [list(values)]
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64)
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        with _rank_loss("all_gather"):
+            dist.all_gather(parts, t, group=self.cpu_group)
+        return [p.tolist() for p in parts]
+
+    def broadcast_pyobj(self, obj: Any = None, src: int = 0) -> Any:
+        """SGLang's broadcast_pyobj: ``src`` pickles ``obj``; its size, then its bytes go
+        to every rank as tensors on the CPU group. Every rank returns the object."""
+        import torch.distributed as dist
+
+        with _rank_loss("broadcast"):
+            if self.rank == src:
+                data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+                size = torch.tensor([data.numel()], dtype=torch.int64)
+                dist.broadcast(size, src, group=self.cpu_group)
+                dist.broadcast(data, src, group=self.cpu_group)
+                return obj
+            size = torch.zeros(1, dtype=torch.int64)
+            dist.broadcast(size, src, group=self.cpu_group)
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.broadcast(data, src, group=self.cpu_group)
+        return pickle.loads(data.numpy().tobytes())
+
+    def take_comm_time(self) -> float:
+        """Seconds the collectives took since the last call."""
+        t, self.comm_time = self.comm_time, 0.0
+        return t
+
+
+@contextlib.contextmanager
+def _rank_loss(op: str) -> Iterator[None]:
+    """A collective whose peer went away raises TpRankDiedError (gloo: 'Connection closed
+    by peer'; NCCL: an error or a timeout), not a bare RuntimeError."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise TpRankDiedError(f"a tensor-parallel rank stopped answering during {op}: {e}") from e
+
+
+_TP = GroupCoordinator()
+
+
+def get_tp_group() -> GroupCoordinator:
+    return _TP
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _TP.rank
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return _TP.world_size
+
+
+def tensor_model_parallel_all_reduce(t: torch.Tensor) -> torch.Tensor:
+    return _TP.all_reduce(t)
+
+
+def tensor_model_parallel_all_gather(t: torch.Tensor) -> torch.Tensor:
+    return _TP.all_gather(t)
+
+
+def init_distributed_environment(world_size: int, rank: int, init_method: str, device: str) -> GroupCoordinator:
+    """Join the ``world_size`` ranks at ``init_method`` (``tcp://host:port``; rank 0
+    listens there): gloo on a CPU, NCCL on CUDA (with a gloo group beside it for
+    broadcast_pyobj). One tensor-parallel engine per process at a time."""
+    global _TP
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("this process already runs a tensor-parallel engine (torch.distributed is initialized); "
+                           "shut it down first")
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+    try:
+        store = dist.TCPStore(host.strip("[]"), int(port), world_size, rank == 0, timeout=RENDEZVOUS_TIMEOUT)
+    except (RuntimeError, OSError) as e:  # DistStoreError is a RuntimeError
+        raise TpRankDiedError(f"rank {rank}: the {world_size} tensor-parallel ranks did not all meet at "
+                              f"{host}:{port} within {RENDEZVOUS_TIMEOUT.seconds} s: {e}") from e
+    dist.init_process_group(backend, store=store, world_size=world_size, rank=rank, timeout=GROUP_TIMEOUT)
+    cpu_group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT) if backend == "nccl" else dist.group.WORLD
+    _TP = GroupCoordinator(rank, world_size, device, dist.group.WORLD, cpu_group)
+    return _TP
+
+
+def destroy_model_parallel() -> None:
+    """Leave the group (a later engine in this process may start its own)."""
+    global _TP
+    import torch.distributed as dist
+
+    _TP = GroupCoordinator()
+    if dist.is_initialized():
+        dist.destroy_process_group()
