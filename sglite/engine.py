@@ -101,6 +101,8 @@ class Engine:
         from sglite.managers.tp_worker import stop_tp_followers
 
         if self._tp_followers:
+            if hasattr(self, "scheduler"):  # (a runner that failed to build has left already)
+                self.scheduler.tp_worker.model_runner.leave_group()
             destroy_model_parallel()
             stop_tp_followers(self._tp_followers, timeout=0 if self._tp_failed else 10)
             self._tp_followers = []

@@ -117,6 +117,29 @@ def _cpu_ops_unavailable() -> str:
     return ""
 
 
+def split_cpu_threads(local_rank: int, ranks_here: int) -> tuple[set[int], int] | None:
+    """tp > 1 on a CPU: the ranks of one machine share its cores, so each takes its own
+    contiguous share (SGLang binds a rank to a NUMA node's cores): this process is pinned
+    to them and runs that many OpenMP threads; without it every rank would start a
+    thread per core and they would fight. Returns what to restore (None: left alone,
+    because OMP_NUM_THREADS was set or there are fewer cores than ranks)."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = len(cores) // ranks_here
+    if os.environ.get("OMP_NUM_THREADS") or per == 0:
+        return None
+    before = (set(cores), torch.get_num_threads())
+    mine = cores[local_rank * per : (local_rank + 1) * per]
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
+    logger.info("tp rank on cores %s (%d OpenMP threads)", ",".join(map(str, mine)), len(mine))
+    return before
+
+
+def restore_cpu_threads(cores: set[int], threads: int) -> None:
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(threads)
+
+
 def _available_memory_bytes(device: str) -> int:
     if device.startswith("cuda"):
         free, _ = torch.cuda.mem_get_info()
@@ -141,10 +164,19 @@ class ModelRunner:
         self.server_args = server_args
         self.device = resolve_device(server_args.device)
         self.tp_size, self.tp_rank = server_args.tp_size, tp_rank
+        self._cpu_threads_before: tuple[set[int], int] | None = None  # tp > 1 on a CPU: to restore
         self.tp_group = self.init_torch_distributed()
         self.last_tp_timings: list[list[float]] = []  # per rank: [forward s, collectives s] of the last forward
+        try:
+            self._load(model_config, weights)
+        except BaseException:
+            self.leave_group()  # the other ranks fail as well (or see this one go)
+            raise
+
+    def _load(self, model_config: ModelConfig | None, weights: dict[str, torch.Tensor] | None) -> None:
+        server_args = self.server_args
         self.dtype = resolve_dtype(server_args.dtype, self.device)
-        if self.device == "cpu" and tp_rank == 0:
+        if self.device == "cpu" and self.tp_rank == 0:
             logger.info(describe_cpu_dtype(server_args.dtype, self.dtype))
         if server_args.attention_backend == "triton":
             from sglite.layers.triton_utils import check_triton_usable
@@ -159,7 +191,7 @@ class ModelRunner:
         self.model_config = model_config
         # the KV heads this rank's pool holds (all of them at tp 1)
         self.num_kv_heads = head_shard(model_config.num_attention_heads, model_config.num_key_value_heads,
-                                       self.tp_size, tp_rank).num_kv_heads
+                                       self.tp_size, self.tp_rank).num_kv_heads
         # after the weights: a bad model path fails before a first run compiles the CPU kernel
         self.attention_backend = resolve_attention_backend(server_args.attention_backend, self.device, self.dtype)
         self.context_len = min(server_args.context_length or model_config.context_len, model_config.context_len)
@@ -184,9 +216,13 @@ class ModelRunner:
         if self.device.startswith("cuda"):
             self.device = f"cuda:{self.tp_rank % (self.tp_size // sa.nnodes)}"
             torch.cuda.set_device(self.device)
-        group = init_distributed_environment(self.tp_size, self.tp_rank, f"tcp://{sa.dist_init_addr}", self.device)
+        else:
+            self._cpu_threads_before = split_cpu_threads(self.tp_rank % (self.tp_size // sa.nnodes),
+                                                         self.tp_size // sa.nnodes)
+        group = init_distributed_environment(self.tp_size, self.tp_rank, f"tcp://{sa.dist_init_addr}", self.device,
+                                             one_machine=sa.nnodes == 1)
         logger.info("tensor parallel: rank %d of %d (%s)", self.tp_rank, self.tp_size,
-                    "nccl" if self.device.startswith("cuda") else "gloo")
+                    "nccl" if self.device.startswith("cuda") else "shared memory" if group.shm else "gloo")
         return group
 
     def _build_model(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> LlamaForCausalLM:
@@ -303,11 +339,19 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Rank 0 tells the other ranks to stop; every rank leaves the group."""
+        if self.tp_size > 1 and self.tp_group.world_size > 1 and self.tp_group.is_first_rank:
+            self.tp_group.broadcast_pyobj(None)
+        self.leave_group()
+
+    def leave_group(self) -> None:
+        """Leave the tp group without a word to the others (shutdown's last step, or a
+        rank died); rank 0 (maybe a user's process) gets its CPU threads back."""
         if self.tp_size > 1 and self.tp_group.world_size > 1:
-            if self.tp_group.is_first_rank:
-                self.tp_group.broadcast_pyobj(None)
             destroy_model_parallel()
             self.tp_group = get_tp_group()
+        if self._cpu_threads_before is not None:
+            restore_cpu_threads(*self._cpu_threads_before)
+            self._cpu_threads_before = None
 
     def _forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):

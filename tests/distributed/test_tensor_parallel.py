@@ -11,6 +11,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from sglite import events as ev
 from sglite.distributed.parallel_state import TpRankDiedError, get_tp_group
@@ -47,7 +48,9 @@ def tp1() -> list[list[int]]:
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal-loop", "overlap-loop"])
 def test_tp2_gives_tp1_s_tokens_under_chunking_retraction_and_cache_hits(tp1, overlap):
+    cpu_before = (os.sched_getaffinity(0), torch.get_num_threads())
     out, seen = run(2, disable_overlap_schedule=not overlap)
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == cpu_before, "rank 0 gets its cores back"
     assert out == tp1
     assert seen[ev.ReqRetracted] and seen[ev.ReqChunked], "the workload must retract and chunk"
     assert any(e.matched_len > 0 for e in seen[ev.CacheMatched]), "the workload must hit the radix cache"
@@ -62,6 +65,7 @@ def _follower_pids(engine: Engine) -> list[int]:
 
 
 def test_a_rank_that_dies_stops_the_engine_with_an_error_naming_it():
+    cpu_before = (os.sched_getaffinity(0), torch.get_num_threads())
     engine = Engine("tiny-random", tp_size=2, log_level="error", max_total_tokens=512)
     try:
         engine.generate("warm up", {"max_new_tokens": 2})
@@ -80,6 +84,7 @@ def test_a_rank_that_dies_stops_the_engine_with_an_error_naming_it():
     finally:
         engine.shutdown()
     assert get_tp_group().world_size == 1
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == cpu_before, "rank 0 gets its cores back"
     # a new tensor-parallel engine can start in the same process afterwards
     with Engine("tiny-random", tp_size=2, log_level="error", max_total_tokens=256) as again:
         assert again.generate("hi", {"max_new_tokens": 3, "temperature": 0})["output_ids"]
