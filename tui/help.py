@@ -23,6 +23,8 @@ TOP_LINE = [
                      "(recv_requests, get_next_batch_to_run, run_batch, process_batch_result)", "Scheduler.iteration"),
     ("overlap / normal loop", "which event loop runs: the overlap loop plans batch N+1 while batch N runs",
      "event_loop_overlap / event_loop_normal"),
+    ("tp N", "tensor parallelism: the model is cut across N processes (ranks), each holding a shard of every "
+             "layer; rank 0 schedules and the others run its batches (docs/tensor_parallel.md)", "--tp-size"),
     ("next arrival: k at iter M", "a workload submits k more requests at iteration M", ""),
 ]
 PANELS = [
@@ -52,6 +54,9 @@ PANELS = [
     ("  loc", "the KV pool slots the new tokens are written to", "out_cache_loc"),
     ("  #b in flight, #a processed", "overlap loop: batch b runs on the worker while the results of batch a "
                                      "are processed", "TpModelWorkerClient, resolve_last_batch_result"),
+    ("  fwd ms TP0 a TP1 b (all-reduce c)", "tp N: each rank's time for the last forward, and how much of rank "
+                                           "0's went to all-reduces and the logits' all-gather",
+     "ForwardFinished.tp_timings, tensor_model_parallel_all_reduce"),
     ("KV pool: T tokens", "the token pool; the bar: █ held by requests, ▒ cached in the radix tree and "
                           "evictable, · free", "max_total_num_tokens, TokenToKVPoolAllocator"),
     ("  used / free / cached", "tokens held by requests / free slots / evictable cached tokens",

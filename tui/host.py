@@ -268,8 +268,11 @@ def serve_in_process(engine_kwargs: dict[str, Any], workload: str | Workload, pa
     or file for ``tui.workloads.load``, or a Workload."""
     ctx = multiprocessing.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
+    # a daemon cannot start processes: with --tp-size N the engine starts its other ranks,
+    # so it is not one then, and ends itself if this process goes away (exit_with_parent)
+    daemon = engine_kwargs.get("tp_size", 1) == 1
     proc = ctx.Process(target=_process_main, args=(engine_kwargs, workload, paused, viewer_args, inbox, outbox),
-                       daemon=True, name="sglite-engine")
+                       daemon=daemon, name="sglite-engine")
     proc.start()
     return HostConnection(inbox, outbox, proc)
 
@@ -321,6 +324,10 @@ def _process_main(engine_kwargs: dict[str, Any], workload: str | Workload, pause
 
         torch.set_num_threads(engine_threads())
         from sglite.engine import Engine
+        from sglite.managers.tp_worker import exit_with_parent
+
+        if engine_kwargs.get("tp_size", 1) > 1:
+            exit_with_parent(os.getppid())
 
         if isinstance(workload, str):
             workload = load(workload)

@@ -172,7 +172,7 @@ def run_tp_follower_process(server_args: ServerArgs, tp_rank: int) -> None:
 
     setproctitle.setproctitle(f"sglite::tp_worker_TP{tp_rank}")
     _setup_logging(server_args.log_level)
-    _exit_with_parent(os.getppid())
+    exit_with_parent(os.getppid())
     try:
         runner = ModelRunner(server_args, tp_rank=tp_rank)
         runner.follow()
@@ -185,7 +185,7 @@ def run_tp_follower_process(server_args: ServerArgs, tp_rank: int) -> None:
         sys.exit(1)
 
 
-def _exit_with_parent(parent: int) -> None:
+def exit_with_parent(parent: int) -> None:
     """A follower blocked in a collective cannot look at its parent: a thread does, and
     ends the process when the parent is gone (nothing is left behind a killed engine)."""
 

@@ -153,3 +153,21 @@ def test_level_0_is_off(level):
     engine = Engine("tiny-random", max_total_tokens=256)
     assert setup_tracing(engine.event_bus, level) is None
     assert not engine.event_bus.active
+
+
+def test_tp2_forward_spans_have_one_child_per_rank_with_its_all_reduce_time():
+    engine, mem, tr = traced(tp_size=2, max_total_tokens=512)
+    try:
+        engine.generate(["Hello there", "The sky"], sampling_params={"max_new_tokens": 4, **GREEDY})
+        tr.shutdown()
+    finally:
+        engine.shutdown()
+    spans = mem.get_finished_spans()
+    forwards = by_name(spans, "forward")
+    assert forwards and all(f.attributes["sglite.tp_size"] == 2 for f in forwards)
+    for f in forwards:
+        ranks = sorted(children(spans, f), key=lambda s: s.attributes["sglite.tp_rank"])
+        assert [s.name for s in ranks] == ["forward TP0", "forward TP1"]
+        for s in ranks:
+            assert s.start_time == f.start_time and s.end_time > s.start_time
+            assert 0 < s.attributes["sglite.all_reduce_ms"] * 1e6 < s.end_time - s.start_time

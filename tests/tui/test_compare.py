@@ -107,3 +107,17 @@ def test_compare_command_line_errors(runs):
     assert proc.returncode == 1 and proc.stderr.startswith("error: cannot read") and proc.stderr.count("\n") == 1
     proc = run("--replay", str(runs["dir"] / "fcfs.jsonl"), "--compare", str(runs["dir"] / "tight.jsonl"))
     assert proc.returncode == 2 and "not one (piped or redirected)" in proc.stderr  # both good: needs a terminal
+
+
+def test_a_tp_run_shows_each_rank_s_forward_time():
+    from sglite import events as ev
+    from tui.app import tp_forward_line
+    from tui.state import ViewBuilder
+
+    b = ViewBuilder()
+    b.apply(ev.ForwardFinished(iteration=1, ts=1.0, bid=1, forward_mode="DECODE",
+                               tp_timings=((0.0121, 0.0032), (0.0118, 0.0029))))
+    view = b.apply(ev.IterationFinished(iteration=1, ts=1.0, bid=1))
+    assert view.tp_timings == ((0.0121, 0.0032), (0.0118, 0.0029))
+    assert tp_forward_line(view.tp_timings) == "fwd ms TP0 12.1 TP1 11.8 (all-reduce 3.2)"
+    assert ViewBuilder().apply(ev.IterationFinished(iteration=1, ts=1.0)).tp_timings == ()
