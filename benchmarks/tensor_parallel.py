@@ -103,15 +103,18 @@ def split_line(timings: list[tuple]) -> list[str]:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     common = {"model_path": args.model, "dtype": args.dtype, "log_level": "error", "max_total_tokens": 16384}
-    engines = {tp: EngineProcess(tp_size=tp, **common) for tp in (1, 2)}
+    # "1g": tp 1 without the CPU graph, which tp 2 cannot use (it has no all-reduce between
+    # layers): what of tp 2's cost is the module-by-module forward, not the communication
+    engines = {1: EngineProcess(tp_size=1, **common), 2: EngineProcess(tp_size=2, **common),
+               "1g": EngineProcess(tp_size=1, disable_cpu_graph=True, **common)}
     prompts = workload(args.requests, engines[1].vocab)
-    got: dict[str, dict[int, list[float]]] = {"batch": {1: [], 2: []}, "one": {1: [], 2: []}}
+    got: dict[str, dict[Any, list[float]]] = {name: {tp: [] for tp in engines} for name in ("batch", "one")}
     split: dict[str, list[tuple]] = {"batch": [], "one": []}
     try:
-        for tp in (1, 2):  # warm-up: first forwards allocate and compile
+        for tp in engines:  # warm-up: first forwards allocate and compile
             engines[tp].run(prompts[:2], 4)
         for i in range(args.pairs):
-            for tp in (1, 2):
+            for tp in engines:
                 for name, job in (("batch", (prompts, args.new_tokens)), ("one", (prompts[:1], args.new_tokens))):
                     value, timings = engines[tp].run(*job)
                     got[name][tp].append(value)
@@ -125,19 +128,30 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {"got": got, "split": split}
 
 
+def _row(label: str, base: list[float], tp2: list[float], per_token: bool) -> str:
+    """One table row: medians, tp 2's speed relative to the base per pair, their median
+    (per_token: the values are seconds a token, shown in ms; speed = base / tp 2)."""
+    ratios = [a / b if per_token else b / a for a, b in zip(base, tp2)]
+    scale, fmt = (1e3, ".2f") if per_token else (1.0, ".1f")
+    return (f"| {label} | {statistics.median(base) * scale:{fmt}} | {statistics.median(tp2) * scale:{fmt}} | "
+            f"{' '.join(f'{r:.2f}' for r in ratios)} | {statistics.median(ratios):.2f}x |")
+
+
 def report(args: argparse.Namespace, m: dict[str, Any]) -> str:
     got = m["got"]
-    b_ratio = [b / a for a, b in zip(got["batch"][1], got["batch"][2])]
-    o_ratio = [a / b for a, b in zip(got["one"][1], got["one"][2])]
     lines = [f"# tensor parallel: --tp-size 1 vs 2, {datetime.date.today()}", "",
              f"machine: {machine_line(torch_threads())}",
-             f"model {args.model}, dtype {args.dtype}; {args.pairs} alternating pairs; batch: {args.requests} requests "
-             f"x {args.new_tokens} new tokens at once; one chat: 1 request x {args.new_tokens} tokens", "",
-             "| workload | tp 1 (median) | tp 2 (median) | tp 2 / tp 1 per pair | median ratio |", "|---|---|---|---|---|",
-             f"| batch, output tok/s | {statistics.median(got['batch'][1]):.1f} | {statistics.median(got['batch'][2]):.1f} "
-             f"| {' '.join(f'{r:.2f}' for r in b_ratio)} | {statistics.median(b_ratio):.2f}x |",
-             f"| one chat, ms/token | {statistics.median(got['one'][1]) * 1e3:.2f} | {statistics.median(got['one'][2]) * 1e3:.2f} "
-             f"| {' '.join(f'{r:.2f}' for r in o_ratio)} | {statistics.median(o_ratio):.2f}x (speed) |", "",
+             f"model {args.model}, dtype {args.dtype}; {args.pairs} alternating rounds (tp 1, tp 2, tp 1 without "
+             f"the CPU graph); batch: {args.requests} requests x {args.new_tokens} new tokens at once; one chat: "
+             f"1 request x {args.new_tokens} tokens", "",
+             "| workload | tp 1 (median) | tp 2 (median) | tp 2's speed / tp 1's, per pair | median ratio |",
+             "|---|---|---|---|---|",
+             _row("batch, output tok/s", got["batch"][1], got["batch"][2], False),
+             _row("one chat, ms/token", got["one"][1], got["one"][2], True),
+             _row("batch, output tok/s, tp 1 without the CPU graph", got["batch"]["1g"], got["batch"][2], False),
+             _row("one chat, ms/token, tp 1 without the CPU graph", got["one"]["1g"], got["one"][2], True), "",
+             "tp 2 cannot run the CPU graph (one C++ call for the whole decode forward, no all-reduce between layers), "
+             "so the last two rows compare it with tp 1 run module by module too.", "",
              "tp 2, a decode forward (median over forwards):"]
     for name in ("batch", "one"):
         lines += [f"- {name}: " + "; ".join(split_line(m["split"][name]))]

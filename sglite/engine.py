@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from sglite.distributed.parallel_state import TpRankDiedError, destroy_model_parallel
+from sglite.distributed.parallel_state import TpRankDiedError, destroy_model_parallel, set_rank_watch
 from sglite.events import EventBus
 from sglite.managers.detokenizer_manager import DetokenizerManager
 from sglite.managers.io_struct import AbortReq, BatchStrOut, BatchTokenIDOut
@@ -68,8 +68,11 @@ class Engine:
         try:
             self.scheduler = Scheduler(self.server_args, event_bus=self.event_bus)
         except BaseException:
+            self._tp_failed = True
             self._stop_tp_ranks()
             raise
+        finally:
+            set_rank_watch(None)
         self.history = self.scheduler.observer.history  # the lifecycle events explain() reads
         self.tokenizer = self.scheduler.tokenizer
         s = self.scheduler
@@ -87,7 +90,7 @@ class Engine:
 
     def _start_tp_ranks(self) -> list[Any]:
         """--tp-size N: this process is rank 0 (it schedules); the others start here."""
-        from sglite.managers.tp_worker import launch_tp_followers, set_dist_init_addr
+        from sglite.managers.tp_worker import describe_dead_followers, launch_tp_followers, set_dist_init_addr
 
         if self.server_args.tp_size == 1:
             return []
@@ -95,7 +98,9 @@ class Engine:
             raise ValueError("an Engine is tp rank 0 (--node-rank 0); start the other nodes' ranks with "
                              "`sglite serve --node-rank N`")
         set_dist_init_addr(self.server_args)
-        return launch_tp_followers(self.server_args)
+        followers = launch_tp_followers(self.server_args)
+        set_rank_watch(lambda: describe_dead_followers(followers))  # while rank 0 waits for them to start
+        return followers
 
     def _stop_tp_ranks(self) -> None:
         from sglite.managers.tp_worker import stop_tp_followers

@@ -24,7 +24,7 @@ import pickle
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -187,7 +187,14 @@ def init_distributed_environment(world_size: int, rank: int, init_method: str, d
     backend = "nccl" if device.startswith("cuda") else "gloo"
     host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
     try:
-        store = dist.TCPStore(host.strip("[]"), int(port), world_size, rank == 0, timeout=RENDEZVOUS_TIMEOUT)
+        store = dist.TCPStore(host.strip("[]"), int(port), world_size, rank == 0, timeout=RENDEZVOUS_TIMEOUT,
+                              wait_for_workers=False)
+        if rank == 0:
+            _wait_for_ranks(store, world_size)
+        else:
+            store.add(JOINED_KEY, 1)
+    except TpRankDiedError:
+        raise
     except (RuntimeError, OSError) as e:  # DistStoreError is a RuntimeError
         raise TpRankDiedError(f"rank {rank}: the {world_size} tensor-parallel ranks did not all meet at "
                               f"{host}:{port} within {RENDEZVOUS_TIMEOUT.seconds} s: {e}") from e
@@ -218,6 +225,33 @@ def _open_shm(group: GroupCoordinator) -> ShmAllReduce:
     if group.rank == 0:
         os.unlink(path)
     return shm
+
+
+JOINED_KEY = "sglite/joined"  # each other rank adds 1 once it reached rank 0's store
+_rank_watch: Callable[[], str] | None = None
+
+
+def set_rank_watch(watch: Callable[[], str] | None) -> None:
+    """What rank 0 asks while it waits for the others to start: '' while they run, else
+    why one cannot come (the Engine: 'tp rank 1 (pid N) exited with code 1'). A rank
+    that dies at start (a script without the ``if __name__ == "__main__":`` guard) then
+    fails the engine at once instead of after RENDEZVOUS_TIMEOUT."""
+    global _rank_watch
+    _rank_watch = watch
+
+
+def _wait_for_ranks(store: Any, world_size: int) -> None:
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
+    while store.add(JOINED_KEY, 0) < world_size - 1:
+        why = _rank_watch() if _rank_watch is not None else ""
+        if why:
+            raise TpRankDiedError(f"a tensor-parallel rank stopped before the ranks met: {why} (its error is above; "
+                                  f"a script that starts a tp engine needs the if __name__ == '__main__': guard, "
+                                  f"since each rank re-imports it)")
+        if time.monotonic() > deadline:
+            raise TpRankDiedError(f"the {world_size} tensor-parallel ranks did not all meet within "
+                                  f"{RENDEZVOUS_TIMEOUT.seconds} s")
+        time.sleep(0.05)
 
 
 def destroy_model_parallel() -> None:

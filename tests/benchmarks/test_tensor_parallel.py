@@ -21,6 +21,7 @@ def test_tp_benchmark_prints_pairs_their_median_and_each_rank_s_split(tmp_path):
     row = re.search(r"^\| batch, output tok/s \| ([\d.]+) \| ([\d.]+) \| ([\d. ]+) \| ([\d.]+)x \|$", text, re.M)
     pairs = [float(x) for x in row[3].split()]
     assert len(pairs) == 3 and abs(float(row[4]) - statistics.median(pairs)) < 0.006
+    assert len(re.findall(r"^\| (batch|one chat), .+, tp 1 without the CPU graph \| [\d.]+ \| [\d.]+ \|", text, re.M)) == 2
     for name in ("batch", "one"):
         line = re.search(rf"^- {name}: (.+)$", text, re.M)[1]
         assert re.fullmatch(r"TP0: forward [\d.]+ ms, all-reduce \+ all-gather [\d.]+ ms \(\d+%\); "

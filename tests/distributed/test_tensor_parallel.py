@@ -128,3 +128,18 @@ def test_smollm2_tp2_gives_tp1_s_tokens():
         with Engine(tp_size=tp, **kw) as engine:
             outs[tp] = [o["output_ids"] for o in engine.generate(prompts, {"max_new_tokens": 16, "temperature": 0})]
     assert outs[2] == outs[1]
+
+
+def test_a_script_without_the_main_guard_fails_at_once_and_says_why(tmp_path):
+    """Each rank re-imports the script (spawn): without the guard rank 1 dies starting;
+    rank 0 sees it while it waits for the ranks to meet, not after the 300 s timeout."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "noguard.py"
+    script.write_text("from sglite.engine import Engine\n"
+                      "Engine('tiny-random', tp_size=2, max_total_tokens=256, log_level='error')\n")
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and time.monotonic() - start < 60
+    assert "tp rank 1 (pid" in out.stderr and "needs the if __name__ == '__main__': guard" in out.stderr, out.stderr
