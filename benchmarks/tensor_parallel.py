@@ -85,6 +85,52 @@ class EngineProcess:
             self.proc.kill()
 
 
+def _collectives_worker(rank: int, addr: str, out: Any) -> None:
+    """Both paths of one GroupCoordinator: shared memory, then gloo (shm set aside)."""
+    import time
+
+    import torch
+
+    from sglite.distributed.parallel_state import destroy_model_parallel, init_distributed_environment
+    from sglite.model_executor.model_runner import split_cpu_threads
+
+    split_cpu_threads(rank, 2)
+    group = init_distributed_environment(2, rank, f"tcp://{addr}", "cpu")
+    shm, result = group.shm, {}
+    for path in ("shared memory", "gloo"):
+        group.shm = shm if path == "shared memory" else None
+        for rows in (1, 16):
+            t = torch.randn(rows, 576)
+            for _ in range(20):
+                group.all_reduce(t)
+            start, n = time.perf_counter(), 300
+            for _ in range(n):
+                group.all_reduce(t)
+            result[(path, rows)] = (time.perf_counter() - start) / n * 1e6
+    destroy_model_parallel()
+    if rank == 0:
+        out.put(result)
+
+
+def collective_latency() -> dict[tuple[str, int], float]:
+    """Microseconds per all-reduce of [rows, 576] (SmolLM2's hidden size) between two
+    processes on this machine, each pinned to its own cores, as tp 2's ranks are."""
+    from sglite.managers.tp_worker import set_dist_init_addr
+    from sglite.server_args import ServerArgs
+
+    args = ServerArgs(tp_size=2)
+    set_dist_init_addr(args)
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_collectives_worker, args=(r, args.dist_init_addr, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=300)
+    for p in procs:
+        p.join(30)
+    return result
+
+
 def torch_threads() -> int:
     import torch
 
@@ -125,7 +171,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         for e in engines.values():
             e.close()
-    return {"got": got, "split": split}
+    return {"got": got, "split": split, "collectives": collective_latency()}
 
 
 def _row(label: str, base: list[float], tp2: list[float], per_token: bool) -> str:
@@ -155,6 +201,10 @@ def report(args: argparse.Namespace, m: dict[str, Any]) -> str:
              "tp 2, a decode forward (median over forwards):"]
     for name in ("batch", "one"):
         lines += [f"- {name}: " + "; ".join(split_line(m["split"][name]))]
+    lat = m["collectives"]
+    lines += ["", "One all-reduce of [rows, 576] floats between two pinned processes, microseconds:", "",
+              "| path | 1 row | 16 rows |", "|---|---|---|"]
+    lines += [f"| {path} | {lat[(path, 1)]:.0f} | {lat[(path, 16)]:.0f} |" for path in ("shared memory", "gloo")]
     return "\n".join(lines) + "\n"
 
 

@@ -26,4 +26,6 @@ def test_tp_benchmark_prints_pairs_their_median_and_each_rank_s_split(tmp_path):
         line = re.search(rf"^- {name}: (.+)$", text, re.M)[1]
         assert re.fullmatch(r"TP0: forward [\d.]+ ms, all-reduce \+ all-gather [\d.]+ ms \(\d+%\); "
                             r"TP1: forward [\d.]+ ms, all-reduce \+ all-gather [\d.]+ ms \(\d+%\)", line), line
+    lat = dict(re.findall(r"^\| (shared memory|gloo) \| (\d+) \| \d+ \|$", text, re.M))
+    assert set(lat) == {"shared memory", "gloo"}
     assert (tmp_path / "tp.md").read_text() == text.rstrip("\n") + "\n"
