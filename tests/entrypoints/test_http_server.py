@@ -421,3 +421,24 @@ def test_tp2_serves_the_offline_engine_s_tokens_and_stops_when_a_rank_dies(engin
     while time.monotonic() < deadline and any(os.path.exists(f"/proc/{k}") and "Z" not in _proc_state(k) for k in kids):
         time.sleep(0.1)
     assert not [k for k in kids if os.path.exists(f"/proc/{k}") and "Z" not in _proc_state(k)]
+
+
+def test_two_nodes_on_one_machine_serve_tp2_over_gloo(engine):
+    """--nnodes 2: node 1 runs rank 1 only (no HTTP), node 0 serves; over gloo (shared
+    memory is for one machine's ranks); node 1 stops when node 0 goes."""
+    addr = f"127.0.0.1:{free_port()}"
+    node1 = subprocess.Popen([sys.executable, "-m", "sglite.cli", "serve", "--model-path", "tiny-random", "--tp-size",
+                              "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        s = Server("--tp-size", "2", "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", addr)
+        got = httpx.post(f"{s.url}/generate", json={"text": PROMPTS[1], "sampling_params": {
+            "max_new_tokens": 12, "temperature": 0}}, timeout=60).json()
+        assert got["output_ids"] == greedy(engine, prompt=PROMPTS[1])["output_ids"]
+        s.stop()
+        _, err = node1.communicate(timeout=60)
+        assert "node 1 runs tp ranks 1..1" in err and "rank 0 went away, stopping" in err, err
+        assert "Traceback" not in err, err
+    finally:
+        if node1.poll() is None:
+            node1.kill()
