@@ -88,6 +88,7 @@ class ServerArgs:
     def __post_init__(self) -> None:
         self._check_types()
         self._check_ranges()
+        self._check_tp()
         if self.disable_overlap_schedule is None:
             # the overlap loop on a GPU, where the forward leaves the scheduler's thread
             # free; on a CPU the normal loop, as SGLang's CPU backend: the scheduler's
@@ -101,7 +102,6 @@ class ServerArgs:
             raise ValueError("chunked_prefill_size must be a multiple of page_size")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
-        self._check_tp()
 
     def _check_tp(self) -> None:
         if self.tp_size < 1 or self.nnodes < 1:
