@@ -101,7 +101,9 @@ class TpModelWorkerClient:
         return result.next_token_ids
 
     def shutdown(self) -> None:
+        """Stop the forward thread, then the worker (with tp > 1: the other ranks)."""
         self._finalizer()
+        self.worker.shutdown()
 
 
 def _stop_forward_thread(input_queue: queue.Queue, thread: threading.Thread) -> None:

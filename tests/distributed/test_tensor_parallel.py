@@ -38,6 +38,9 @@ def run(tp: int, **kw) -> tuple[list[list[int]], dict[type, list]]:
     bus.subscribe(lambda e: seen[type(e)].append(e) if type(e) in seen else None)
     with Engine("tiny-random", tp_size=tp, event_bus=bus, log_level="error", **{**PRESSURE, **kw}) as engine:
         out = engine.generate(input_ids=prompts, sampling_params=params)
+        followers = list(engine._tp_followers)
+    # shutdown told the other ranks to stop: they ended on their own, not killed
+    assert [p.exitcode for p in followers] == [0] * (tp - 1)
     return [o["output_ids"] for o in out], seen
 
 
@@ -122,12 +125,20 @@ def test_smollm2_tp2_gives_tp1_s_tokens():
     0-5 and rank 1 KV head 2 with query heads 6-8 (the split is by GQA group, uneven);
     the MLP's 1536 features and the 49152-token vocabulary split evenly."""
     prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
-    kw = {"max_total_tokens": 2048, "chunked_prefill_size": 8, "log_level": "error", "dtype": "float32"}
-    outs = {}
+    # chunks of 8 and a pool too small for all three to finish: retraction
+    kw = {"max_total_tokens": 48, "chunked_prefill_size": 8, "schedule_conservativeness": 0.05,
+          "log_level": "error", "dtype": "float32"}
+    outs, retracted = {}, {}
     for tp in (1, 2):
-        with Engine(tp_size=tp, **kw) as engine:
-            outs[tp] = [o["output_ids"] for o in engine.generate(prompts, {"max_new_tokens": 16, "temperature": 0})]
+        bus = ev.EventBus()
+        seen: list = []
+        bus.subscribe(lambda e: seen.append(e) if isinstance(e, (ev.ReqRetracted, ev.ReqChunked)) else None)
+        with Engine(tp_size=tp, event_bus=bus, **kw) as engine:
+            params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+            outs[tp] = [o["output_ids"] for o in engine.generate(prompts, params)]
+        retracted[tp] = [type(e).__name__ for e in seen]
     assert outs[2] == outs[1]
+    assert "ReqRetracted" in retracted[2] and "ReqChunked" in retracted[2]
 
 
 def test_a_script_without_the_main_guard_fails_at_once_and_says_why(tmp_path):
