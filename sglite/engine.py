@@ -120,8 +120,9 @@ class Engine:
         deadline = time.monotonic() + 2.0  # its socket closes before the process is reaped
         while not describe_dead_followers(self._tp_followers) and time.monotonic() < deadline:
             time.sleep(0.05)
-        who = describe_dead_followers(self._tp_followers) or "a tp rank stopped answering"
-        return TpRankDiedError(f"the tensor-parallel engine cannot go on: {who}. ({e})")
+        who = describe_dead_followers(self._tp_followers)
+        return TpRankDiedError(f"the tensor-parallel engine cannot go on: {who}. ({e})" if who else
+                               f"the tensor-parallel engine cannot go on: {e}")
 
     # --- requests ---------------------------------------------------------------------
 

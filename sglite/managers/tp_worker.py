@@ -17,7 +17,6 @@ decided batch: one scheduler, so no decision can differ between ranks
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import os
 import socket
@@ -114,7 +113,6 @@ class TpModelWorker:
 
 # --- the other tensor-parallel ranks ---------------------------------------------------
 
-logger = logging.getLogger("sglite")
 PARENT_POLL = 1.0  # seconds between a follower's checks that the process that started it is alive
 
 
@@ -148,7 +146,7 @@ def launch_tp_followers(server_args: ServerArgs) -> list[Any]:
 
 
 def describe_dead_followers(procs: list[Any]) -> str:
-    """'rank 1 (pid 123) exited with code -9', for those that stopped; '' if none."""
+    """'tp rank 1 (pid 123) exited with code -9' for each that stopped; '' if none did."""
     dead = [p for p in procs if not p.is_alive()]
     return "; ".join(f"tp rank {p.name.rsplit('TP', 1)[1]} (pid {p.pid}) exited with code {p.exitcode}" for p in dead)
 

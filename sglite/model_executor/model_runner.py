@@ -10,8 +10,8 @@ import time
 import torch
 
 from sglite.configs.model_config import ModelConfig
-from sglite.distributed.parallel_state import (GroupCoordinator, destroy_model_parallel, get_tp_group,
-                                               init_distributed_environment)
+from sglite.distributed.parallel_state import (GroupCoordinator, TpRankDiedError, destroy_model_parallel,
+                                               get_tp_group, init_distributed_environment)
 from sglite.distributed.utils import head_shard
 from sglite.layers.attention.base_attn_backend import AttentionBackend
 from sglite.layers.attention.torch_native_backend import TorchNativeAttnBackend
@@ -324,7 +324,13 @@ class ModelRunner:
         if self.tp_group.is_first_rank:
             self.tp_group.broadcast_pyobj(ForwardBatchBroadcast.of(forward_batch))
         start, _ = time.perf_counter(), self.tp_group.take_comm_time()
-        logits = self._forward(forward_batch)
+        try:
+            logits = self._forward(forward_batch)
+        except TpRankDiedError:
+            raise
+        except Exception as e:  # the other ranks wait in this forward's collectives: no way back
+            raise TpRankDiedError(f"tp rank {self.tp_rank}'s forward failed after the ranks started it, so they "
+                                  f"are out of step ({type(e).__name__}: {e})") from e
         mine = [time.perf_counter() - start, self.tp_group.take_comm_time()]
         self.last_tp_timings = self.tp_group.gather_floats(mine)
         return logits

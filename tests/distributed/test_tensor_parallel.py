@@ -154,3 +154,22 @@ def test_a_script_without_the_main_guard_fails_at_once_and_says_why(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and time.monotonic() - start < 60
     assert "tp rank 1 (pid" in out.stderr and "needs the if __name__ == '__main__': guard" in out.stderr, out.stderr
+
+
+def test_a_forward_that_fails_on_rank_0_stops_the_engine_instead_of_desynchronizing_the_ranks(monkeypatch):
+    """With tp 1 a failed round fails its requests and the engine goes on
+    (SchedulerRecovery); with tp 2 the other rank is already inside that forward's
+    collectives, so the engine stops with the cause."""
+    with Engine("tiny-random", tp_size=2, log_level="error", max_total_tokens=256) as engine:
+        engine.generate("warm up", {"max_new_tokens": 2})
+        runner = engine.scheduler.tp_worker.model_runner
+        real = runner._forward
+
+        def broken(fb):
+            if fb.forward_mode.is_decode():
+                raise RuntimeError("injected")
+            return real(fb)
+
+        monkeypatch.setattr(runner, "_forward", broken)
+        with pytest.raises(TpRankDiedError, match=r"tp rank 0's forward failed .*out of step \(RuntimeError: injected\)"):
+            engine.generate("Hello", {"max_new_tokens": 4})
