@@ -47,7 +47,16 @@ def keys(*k: str) -> None:
 
 def start(cmd: str, width: int, height: int) -> None:
     subprocess.run(["tmux", "kill-session", "-t", SESSION], capture_output=True)
-    tmux("new-session", "-d", "-s", SESSION, "-x", str(width), "-y", str(height), f"{cmd}; sleep 600")
+    for attempt in range(10):
+        # Killing the last session stops the tmux server; a new-session sent while it is
+        # still shutting down fails, so try again briefly.
+        made = subprocess.run(["tmux", "new-session", "-d", "-s", SESSION, "-x", str(width),
+                               "-y", str(height), f"{cmd}; sleep 600"], capture_output=True, text=True)
+        if made.returncode == 0:
+            break
+        time.sleep(0.5)
+    else:
+        raise SystemExit(f"error: tmux new-session failed: {made.stderr.strip()}")
     wait_for("q quit")
 
 
