@@ -86,6 +86,34 @@ def test_bad_arguments_are_refused_before_anything_loads(what, argv, message):
     assert message in proc.stderr
 
 
+# --tp-size the model's heads cannot be cut by: found from the config in the launching
+# process, before any rank starts (each rank used to load the model and print it again)
+BAD_SPLITS = [
+    pytest.param(["generate", "hi", "--model-path", "tiny-random", "--tp-size", "3"],
+                 "--tp-size 3 cannot split 4 attention heads over 2 KV heads; sizes that can: 1, 2, 4",
+                 id="generate --tp-size 3 on tiny-random"),
+    pytest.param(["serve", "--model-path", "tiny-random", "--tp-size", "3"],
+                 "--tp-size 3 cannot split 4 attention heads over 2 KV heads; sizes that can: 1, 2, 4",
+                 id="serve --tp-size 3 on tiny-random"),
+    pytest.param(["serve", "--model-path", "tiny-random", "--tp-size", "6", "--nnodes", "2", "--node-rank", "1",
+                  "--dist-init-addr", "127.0.0.1:9"], "--tp-size 6 cannot split 4 attention heads",
+                 id="serve --node-rank 1 --tp-size 6 on tiny-random"),
+    pytest.param(["generate", "hi", "--tp-size", "4"],
+                 "--tp-size 4 cannot split 9 attention heads over 3 KV heads; sizes that can: 1, 2, 3, 9",
+                 id="generate --tp-size 4 on smollm2", marks=pytest.mark.real_model),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_SPLITS)
+def test_a_tp_size_the_model_cannot_take_is_one_line_and_starts_no_rank(argv, message):
+    """Exit 2 and one error line: a rank that had started would print its own."""
+    proc = subprocess.run([sys.executable, "-c", "import sys; from sglite.cli import main; sys.exit(main(sys.argv[1:]))",
+                           *argv], capture_output=True, text=True, timeout=300)
+    err = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(err) == 1 and message in err[0], proc.stderr
+    assert "Traceback" not in proc.stderr and "tp_worker" not in proc.stderr
+
+
 def test_tui_needs_a_terminal(capsys):
     """(Under pytest stdout is captured: not a terminal.) Checked after the arguments."""
     assert main(["tui", "--model-path", "tiny-random"]) == 2

@@ -130,9 +130,22 @@ def set_dist_init_addr(server_args: ServerArgs) -> None:
             server_args.dist_init_addr = f"127.0.0.1:{s.getsockname()[1]}"
 
 
+def check_tp_split(server_args: ServerArgs) -> None:
+    """ValueError if the model's heads cannot be cut --tp-size ways (ModelLoadError if
+    the model cannot be found or read): once, from the config alone, before any rank
+    starts; else every rank would load the model and say the same."""
+    if server_args.tp_size == 1:
+        return
+    from sglite.distributed.utils import head_shard
+    from sglite.model_loader import load_model_config
+
+    config = load_model_config(server_args.model_path)
+    head_shard(config.num_attention_heads, config.num_key_value_heads, server_args.tp_size, 0)
+
+
 def launch_tp_followers(server_args: ServerArgs) -> list[Any]:
     """Start this machine's tp ranks other than rank 0, as processes that stop when
-    their parent does. Call set_dist_init_addr first."""
+    their parent does. Call set_dist_init_addr and check_tp_split first."""
     ctx = multiprocessing.get_context("spawn")
     procs = []
     for rank in node_tp_ranks(server_args):

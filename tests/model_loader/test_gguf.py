@@ -262,6 +262,50 @@ def test_rope_freqs_of_unknown_shape_is_refused(tmp_path):
         load_model(str(path))
 
 
+CONVERT_AND_SUM = """
+import os, sys, time
+import gguf, safetensors.torch
+from sglite.model_loader import load_model
+print("ready", flush=True)
+while not os.path.exists(sys.argv[2]):  # all start converting within a millisecond
+    time.sleep(0.001)
+m = load_model(sys.argv[1])
+print(sum(float(w.double().sum()) for w in m.weights.values()))
+"""
+
+
+def test_processes_that_load_one_gguf_at_once_convert_it_once(tmp_path, cache_dir):
+    """The ranks of --tp-size N (or two servers) started on a cold cache: one converts,
+    the others wait for its result."""
+    path = tmp_path / "m.gguf"
+    write_gguf(path)
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", CONVERT_AND_SUM, str(path), str(go)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    for p in procs:
+        assert p.stdout.readline() == "ready\n"
+    go.touch()
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert sum(err.count("converting m.gguf once") for _, err in outs) == 1, outs
+    assert len({out for out, _ in outs}) == 1
+    assert len(list((cache_dir / "converted").iterdir())) == 1
+
+
+def test_config_alone_reads_no_tensors(tmp_path, cache_dir):
+    """What a launcher reads to check --tp-size: the config, without a conversion."""
+    from sglite.model_loader import load_model_config
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path)
+    c = load_model_config(str(path))
+    assert (c.num_attention_heads, c.num_key_value_heads, c.num_hidden_layers) == (HEADS, KV_HEADS, LAYERS)
+    assert not (cache_dir / "converted").exists()
+    assert c == load_model(str(path)).config
+    with pytest.raises(ModelLoadError, match="not a file or folder"):
+        load_model_config(str(tmp_path / "missing"))
+
+
 def test_damaged_cache_is_converted_again(tmp_path, cache_dir, capsys):
     path = tmp_path / "m.gguf"
     write_gguf(path)
