@@ -227,7 +227,10 @@ def _serve_other_node(server_args: ServerArgs) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _stop(procs)
-    return 0 if all(p.exitcode == 0 for p in procs) else 1
+    if all(p.exitcode == 0 for p in procs):
+        print(f"sglite serve: node {server_args.node_rank}: rank 0 stopped the ranks", file=sys.stderr, flush=True)
+        return 0
+    return 1
 
 
 async def _watchdog(children: list[Any], server: Any) -> None:
@@ -245,11 +248,15 @@ async def _watchdog(children: list[Any], server: Any) -> None:
 
 
 def _stop(children: list[Any]) -> None:
-    for c in children:
-        if c.is_alive():
-            c.terminate()
-    for c in children:
-        c.join(timeout=10)
-        if c.is_alive():
-            os.kill(c.pid, signal.SIGKILL)
-            c.join(timeout=5)
+    """The scheduler first, and waited for: with --tp-size N it tells the other ranks
+    to stop as it leaves; then the rest at once."""
+    first = [c for c in children if c.name == "sglite::scheduler"]
+    for group in (first, [c for c in children if c not in first]):
+        for c in group:
+            if c.is_alive():
+                c.terminate()
+        for c in group:
+            c.join(timeout=10)
+            if c.is_alive():
+                os.kill(c.pid, signal.SIGKILL)
+                c.join(timeout=5)

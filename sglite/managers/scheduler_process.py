@@ -47,11 +47,13 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Co
         pipe.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
         return
     close_viewers = _attach_viewers(scheduler, server_args, viewer_args)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # (the loop, once made, stops between iterations)
     try:
-        _serve(scheduler, server_args, port_args, pipe, metrics_labels, parent)
-    except SystemExit:
-        pass
+        try:
+            _serve(scheduler, server_args, port_args, pipe, metrics_labels, parent)
+        except SystemExit:
+            pass
+        _stop_other_ranks(scheduler)  # (not after a failure: a rank may be inside a collective)
     except TpRankDiedError as e:  # the server's watchdog sees this process exit and stops
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
@@ -61,6 +63,18 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Co
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(0)
+
+
+def _stop_other_ranks(scheduler: Any) -> None:
+    """--tp-size N, stopped between iterations: tell the other ranks, this node's and
+    other nodes', to stop (they exit 0 instead of finding rank 0 gone). One that is gone
+    already needs no word."""
+    if scheduler.server_args.tp_size == 1:
+        return
+    try:
+        scheduler.shutdown()
+    except TpRankDiedError:
+        pass
 
 
 def _attach_viewers(scheduler: Any, server_args: ServerArgs, viewer_args: Any) -> Callable[[], None]:
@@ -77,6 +91,7 @@ def _attach_viewers(scheduler: Any, server_args: ServerArgs, viewer_args: Any) -
 def _serve(scheduler: Any, server_args: ServerArgs, port_args: PortArgs, pipe: Connection,
            metrics_labels: dict[str, str] | None, parent: int) -> None:
     loop = SchedulerProcessLoop(scheduler, port_args, metrics_labels)
+    signal.signal(signal.SIGTERM, loop.on_sigterm)
     pipe.send({"status": "ready", "max_total_num_tokens": scheduler.max_total_num_tokens,
                "max_req_input_len": scheduler.max_req_input_len, "tokenizer": scheduler.tokenizer,
                "vocab_size": scheduler.model_config.vocab_size,
@@ -115,19 +130,31 @@ class SchedulerProcessLoop:
         self.metrics = SchedulerMetricsCollector(metrics_labels) if metrics_labels is not None else None
         self.publisher = EventPublisher(ctx, port_args.events_ipc_name, scheduler)
         self.paused, self.steps = False, 0  # steps: iterations asked for while paused
+        self.in_iteration = self.stopping = False
 
     def runnable(self) -> bool:
         return self.scheduler.has_work() and (not self.paused or self.steps > 0)
 
+    def on_sigterm(self, signum: int, frame: Any) -> None:
+        """Stop now when between iterations; inside one, after it: its forward may be in
+        a collective with the other tp ranks, which would wait for rank 0 forever."""
+        if not self.in_iteration:
+            raise SystemExit(0)
+        self.stopping = True
+
     def run(self, parent: int) -> None:
         loop = self.scheduler.event_loop()
-        while os.getppid() == parent:  # the server went away: so does its scheduler
+        while os.getppid() == parent and not self.stopping:  # the server went away: so does its scheduler
             self.publisher.poll()
             self.receive(block=not self.runnable())
             if not self.runnable():
                 self.publisher.ship(force=True)
                 continue
-            next(loop)
+            self.in_iteration = True
+            try:
+                next(loop)
+            finally:
+                self.in_iteration = False
             self.steps = max(0, self.steps - 1)
             if self.outputs:
                 self.to_detokenizer.send_pyobj(list(self.outputs))
