@@ -31,13 +31,14 @@ import signal
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Awaitable, Callable, Iterator
 
 from sglite.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger("sglite")
 READY_TIMEOUT = 1800.0  # seconds the scheduler may take to load (a first run downloads and converts)
 WATCHDOG_INTERVAL = 1.0  # seconds between checks that the children are alive
+GRACEFUL_SHUTDOWN = 5.0  # seconds uvicorn waits for the requests in flight when the server stops
 
 
 @dataclass
@@ -101,8 +102,10 @@ def _serve(server_args: ServerArgs, serve_args: ServeArgs, port_args: PortArgs, 
                       serve_args.enable_metrics, http_spans, port_args.events_ipc_name, serve_args.enable_debug_control)
     app = build_app(manager, info)
     config = uvicorn.Config(app, host=serve_args.host, port=serve_args.port, log_level="warning",
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN)
     server = _Server(config)
+    # requests in flight finish within 3 s, or end as aborted 2 s before uvicorn would cancel them
+    server.drain = lambda: manager.drain(GRACEFUL_SHUTDOWN - 2)
 
     async def main() -> None:
         watchdog = asyncio.create_task(_watchdog(children, server))
@@ -137,7 +140,19 @@ def _uvicorn_server_class() -> type:
 
     class Server(uvicorn.Server):
         """uvicorn re-raises SIGTERM / SIGINT once it has shut down, which would end this
-        process before it stops its children: a signal here only asks uvicorn to stop."""
+        process before it stops its children: a signal here only asks uvicorn to stop.
+        ``drain``, if set, runs beside uvicorn's shutdown (which waits for the requests in
+        flight, then cancels their handlers): it gets each one answered before that."""
+
+        drain: Callable[[], Awaitable[None]] | None = None
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            drain = asyncio.ensure_future(self.drain()) if self.drain is not None else None
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if drain is not None:
+                    drain.cancel()
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:

@@ -181,14 +181,37 @@ class ServerTokenizerManager:
                 if self.metrics is not None:
                     self.metrics.num_aborted_requests_total.inc()
 
-    def abort_request(self, rid: str) -> None:
-        self.send_to_scheduler.send_pyobj(AbortReq(rid))
+    def abort_request(self, rid: str, message: str = "aborted by user") -> None:
+        self.send_to_scheduler.send_pyobj(AbortReq(rid, message))
 
-    def abort_all(self) -> list[str]:
+    def abort_all(self, message: str = "aborted by user") -> list[str]:
         rids = list(self.rid_to_state)
         for rid in rids:
-            self.abort_request(rid)
+            self.abort_request(rid, message)
         return rids
+
+    async def drain(self, grace: float, answer_within: float = 1.0) -> None:
+        """The server stops: requests in flight may finish for ``grace`` seconds; the rest
+        are aborted ('the server is shutting down') and answered with what they have, by
+        the scheduler or, if it does not answer within ``answer_within`` s (it died),
+        here. Every handler returns a response; none is cancelled mid-wait."""
+        import asyncio
+
+        deadline = time.monotonic() + grace
+        while self.rid_to_state and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        message = "the server is shutting down"
+        self.abort_all(message)
+        deadline = time.monotonic() + answer_within
+        while self.rid_to_state and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for state in list(self.rid_to_state.values()):
+            if not state.finished:
+                state.finished = True
+                state.meta_info = {"finish_reason": {"type": "abort", "message": message},
+                                   "completion_tokens": len(state.output_ids),
+                                   "e2e_latency": time.monotonic() - state.created}
+                state.event.set()
 
     async def control(self, request: Any) -> Any:
         """Send a control request to the scheduler and await its answer."""

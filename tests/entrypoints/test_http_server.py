@@ -443,3 +443,38 @@ def test_two_nodes_on_one_machine_serve_tp2_over_gloo(engine):
     finally:
         if node1.poll() is None:
             node1.kill()
+
+
+def test_stopping_the_server_answers_the_requests_in_flight():
+    """SIGTERM with requests in flight, one running at a time: a short one finishes as
+    it would; the long ones (14 of 2000 tokens, several seconds each here), running or queued
+    when the grace period ends, come back as aborted with their tokens so far (native
+    and streamed OpenAI), and no handler is cancelled into a traceback (as uvicorn did
+    5 s after the signal)."""
+    s = Server("--max-running-requests", "1")
+    long = {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}
+
+    def native(text: str, params: dict) -> dict:
+        return httpx.post(f"{s.url}/generate", json={"text": text, "sampling_params": params}, timeout=60).json()
+
+    def streamed() -> list[str]:
+        with httpx.stream("POST", f"{s.url}/v1/completions", json={"model": "m", "prompt": "c", "max_tokens": 2000,
+                                                                    "stream": True}, timeout=60) as r:
+            return [line for line in r.iter_lines() if line.startswith("data: ")]
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        futures = []
+        for fn, *args in ((native, "b", {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}),
+                          (native, "a", long), (streamed,), *[(native, f"d{i}", long) for i in range(12)]):
+            futures.append(pool.submit(fn, *args))
+            time.sleep(0.1)  # (in this order)
+        time.sleep(0.5)
+        rc, err = s.stop()
+        results = [f.result() for f in futures]
+    assert rc == 0 and "Traceback" not in err and "CancelledError" not in err, err
+    assert results[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
+    assert results[-1]["meta_info"]["finish_reason"] == {"type": "abort", "message": "the server is shutting down"}
+    assert results[-1]["meta_info"]["completion_tokens"] == len(results[-1]["output_ids"]) < 2000
+    assert all(r["meta_info"]["finish_reason"]["type"] in ("length", "abort") for r in results[1:2] + results[3:])
+    lines = results[2]
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["choices"][0]["finish_reason"] in ("abort", "length")
