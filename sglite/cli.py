@@ -115,13 +115,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     SamplingParams.from_dict(_sampling_params(args)).verify()  # before anything loads
     server_args = check_engine_args(args)
     from sglite.engine import Engine
-    from sglite.model_loader import ModelLoadError
 
-    try:
-        engine = Engine(**vars(server_args))
-    except ModelLoadError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    engine = Engine(**vars(server_args))
     close_viewers = attach_viewers(engine, args)
     try:
         return _generate(engine, args)
@@ -214,6 +209,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except OSError as e:  # a file to write into a missing folder, a file that cannot be read
         print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        from sglite.model_loader.errors import ModelLoadError  # (here: importing sglite.model_loader imports torch)
+
+        if not isinstance(e, ModelLoadError):
+            raise
+        print(f"error: {e}", file=sys.stderr)  # a model that cannot be found or read, wherever it was loaded
         return 1
 
 

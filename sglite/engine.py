@@ -90,15 +90,13 @@ class Engine:
 
     def _start_tp_ranks(self) -> list[Any]:
         """--tp-size N: this process is rank 0 (it schedules); the others start here."""
-        from sglite.managers.tp_worker import (check_tp_split, describe_dead_followers, launch_tp_followers,
-                                               set_dist_init_addr)
+        from sglite.managers.tp_worker import describe_dead_followers, launch_tp_followers, set_dist_init_addr
 
         if self.server_args.tp_size == 1:
             return []
         if self.server_args.node_rank != 0:
             raise ValueError("an Engine is tp rank 0 (--node-rank 0); start the other nodes' ranks with "
                              "`sglite serve --node-rank N`")
-        check_tp_split(self.server_args)
         set_dist_init_addr(self.server_args)
         followers = launch_tp_followers(self.server_args)
         set_rank_watch(lambda: describe_dead_followers(followers))  # while rank 0 waits for them to start

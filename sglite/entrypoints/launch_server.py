@@ -179,8 +179,7 @@ def _launch_subprocesses(server_args: ServerArgs, port_args: PortArgs, labels: d
     detokenizer with that tokenizer; returns the scheduler's ready message."""
     from sglite.managers.detokenizer_manager import run_detokenizer_process
     from sglite.managers.scheduler_process import run_scheduler_process
-    from sglite.managers.tp_worker import check_tp_split, launch_tp_followers, set_dist_init_addr
-    from sglite.model_loader import ModelLoadError
+    from sglite.managers.tp_worker import launch_tp_followers, set_dist_init_addr
 
     ctx = multiprocessing.get_context("spawn")
     # the scheduler's OpenMP threads share the cores with this process, the detokenizer
@@ -188,10 +187,6 @@ def _launch_subprocesses(server_args: ServerArgs, port_args: PortArgs, labels: d
     # less to them (+4-8 % at 32 in flight on 2 cores, benchmarks/results/serving-*.md);
     # the children read it when they start (OMP_WAIT_POLICY set by the user wins)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    try:
-        check_tp_split(server_args)  # --tp-size > 1: can the heads be cut so (one message, not one a rank)
-    except ModelLoadError as e:
-        raise ServerStartError(str(e)) from None
     set_dist_init_addr(server_args)  # --tp-size > 1 on one machine: a free loopback port
     children.extend(launch_tp_followers(server_args))  # first: the watchdog names a dead one before rank 0
     reader, writer = ctx.Pipe(duplex=False)
@@ -221,18 +216,12 @@ def _launch_subprocesses(server_args: ServerArgs, port_args: PortArgs, labels: d
 def _serve_other_node(server_args: ServerArgs) -> int:
     """--node-rank N > 0: run this machine's tp ranks for node 0's scheduler until they
     stop (rank 0 stops them) or this process is stopped."""
-    from sglite.managers.tp_worker import check_tp_split, launch_tp_followers, node_tp_ranks
-    from sglite.model_loader import ModelLoadError
+    from sglite.managers.tp_worker import launch_tp_followers, node_tp_ranks
 
-    try:
-        check_tp_split(server_args)
-    except ModelLoadError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    procs = launch_tp_followers(server_args)
     ranks = node_tp_ranks(server_args)
     print(f"sglite serve: node {server_args.node_rank} runs tp ranks {ranks.start}..{ranks.stop - 1} for the "
           f"scheduler at {server_args.dist_init_addr} (Ctrl-C stops)", file=sys.stderr, flush=True)
-    procs = launch_tp_followers(server_args)
     stop = lambda signum, frame: _stop(procs)  # noqa: E731
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -145,7 +145,8 @@ def check_tp_split(server_args: ServerArgs) -> None:
 
 def launch_tp_followers(server_args: ServerArgs) -> list[Any]:
     """Start this machine's tp ranks other than rank 0, as processes that stop when
-    their parent does. Call set_dist_init_addr and check_tp_split first."""
+    their parent does (after check_tp_split). Call set_dist_init_addr first."""
+    check_tp_split(server_args)
     ctx = multiprocessing.get_context("spawn")
     procs = []
     for rank in node_tp_ranks(server_args):

@@ -219,10 +219,9 @@ def load_model_config(model_path: str, cache_dir: str | Path | None = None) -> M
         return build_tiny_random()[0]
     assert p is not None
     if kind == "hf":
-        try:
-            return ModelConfig.from_hf_config(p / "config.json")
-        except (OSError, KeyError, ValueError) as e:
-            raise ModelLoadError(f"{p}/config.json: {e}") from None
+        from sglite.model_loader.safetensors import load_hf_config
+
+        return load_hf_config(p)
     from sglite.model_loader.gguf import load_gguf_config
 
     return load_gguf_config(p)

@@ -12,6 +12,16 @@ from sglite.model_loader.errors import ModelLoadError
 from sglite.model_loader.tokenizer import Tokenizer
 
 
+def load_hf_config(path: Path) -> ModelConfig:
+    """The folder's config.json as a ModelConfig; ModelLoadError naming what is wrong."""
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path}: missing config.json")
+    try:
+        return ModelConfig.from_hf_config(path / "config.json")
+    except (KeyError, ValueError) as e:
+        raise ModelLoadError(f"{path}/config.json: {e}") from None
+
+
 def load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     from safetensors.torch import load_file
     from tokenizers import Tokenizer as HFTokenizer
@@ -22,10 +32,7 @@ def load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], To
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weight files")
-    try:
-        config = ModelConfig.from_hf_config(path / "config.json")
-    except (KeyError, ValueError) as e:
-        raise ModelLoadError(f"{path}/config.json: {e}") from None
+    config = load_hf_config(path)
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         try:

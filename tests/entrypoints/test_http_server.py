@@ -478,3 +478,22 @@ def test_stopping_the_server_answers_the_requests_in_flight():
     assert all(r["meta_info"]["finish_reason"]["type"] in ("length", "abort") for r in results[1:2] + results[3:])
     lines = results[2]
     assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["choices"][0]["finish_reason"] in ("abort", "length")
+
+
+def test_requests_in_flight_when_the_scheduler_dies_are_answered():
+    """The scheduler process killed mid-request: the watchdog stops the server, and the
+    waiting request is answered as aborted (nobody is left to abort it but the HTTP
+    side) rather than cancelled into a traceback."""
+    s = Server()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(lambda: httpx.post(f"{s.url}/generate", json={"text": "a", "sampling_params": {
+            "max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}}, timeout=60).json())
+        time.sleep(0.5)
+        scheduler = next(k for k in children_of(s.proc.pid)
+                         if open(f"/proc/{k}/cmdline").read().startswith("sglite::scheduler"))
+        os.kill(scheduler, signal.SIGKILL)
+        _, err = s.proc.communicate(timeout=60)
+        got = future.result()
+    assert s.proc.returncode == 1 and "sglite::scheduler exited (exit code -9)" in err, err
+    assert "Traceback" not in err and "CancelledError" not in err, err
+    assert got["meta_info"]["finish_reason"] == {"type": "abort", "message": "the server is shutting down"}
