@@ -90,6 +90,7 @@ class Req:
         seed: int = 0,
         stream: bool = False,
         tokenizer: "Tokenizer | None" = None,
+        extra_key: str | None = None,
     ):
         self.rid = rid
         self.origin_input_text = origin_input_text
@@ -101,6 +102,7 @@ class Req:
         self.stream = stream
         self.trace_parent = ""  # W3C traceparent of the HTTP request's span (sglite serve)
         self.tokenizer = tokenizer  # decodes the output's tail to check stop strings
+        self.extra_key = extra_key  # (cache_salt) prefixes are shared only within one key; None: the plain tree
         # the random draw for output token n depends only on (sampling_seed, n): a seeded
         # request samples the same tokens however it is batched, chunked or retracted
         self.sampling_seed = sampling_params.seed if sampling_params.seed is not None else seed
@@ -153,7 +155,7 @@ class Req:
         always compute at least one token so there are logits to sample from."""
         self.fill_ids = self.origin_input_ids + self.output_ids
         if tree_cache is not None:
-            match = tree_cache.match_prefix(self.fill_ids[: len(self.fill_ids) - 1])
+            match = tree_cache.match_prefix(self.fill_ids[: len(self.fill_ids) - 1], self.extra_key)
             self.prefix_indices, self.last_node = match.device_indices, match.last_device_node
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 

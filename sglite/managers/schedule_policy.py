@@ -84,11 +84,13 @@ class SchedulePolicy:
             if len(req.prefix_indices) > IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD:
                 continue
             ids = req.fill_ids
-            in_batch = self.waiting_queue_radix_tree.match_prefix(ids).device_indices
+            # keyed like the real cache: waiting for a request of another key would not
+            # give a hit, since the two can never share a prefix
+            in_batch = self.waiting_queue_radix_tree.match_prefix(ids, req.extra_key).device_indices
             if len(in_batch) >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD:
                 self.temporary_deprioritized.add(req.rid)
             else:
-                self.waiting_queue_radix_tree.insert(ids, torch.zeros(len(ids), dtype=torch.int64))
+                self.waiting_queue_radix_tree.insert(ids, torch.zeros(len(ids), dtype=torch.int64), req.extra_key)
 
     def _sort_by_dfs_weight(self, waiting_queue: list["Req"]) -> None:
         """Walk the radix tree depth first, heavier subtrees (more waiting requests

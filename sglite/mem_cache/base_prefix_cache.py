@@ -39,6 +39,7 @@ class CachedReq(Protocol):
     prefix_indices: torch.Tensor
     last_node: Any  # the TreeNode it locks (RadixCache), or None
     kv_committed_len: int
+    extra_key: str | None  # its cache key: shares prefixes only with requests of the same key
 
 
 class BasePrefixCache(ABC):
@@ -79,7 +80,9 @@ class BasePrefixCache(ABC):
     def reset(self) -> None: ...
 
     @abstractmethod
-    def match_prefix(self, key: list[int]) -> MatchResult: ...
+    def match_prefix(self, key: list[int], extra_key: str | None = None) -> MatchResult:
+        """The longest cached prefix of ``key`` among those stored under ``extra_key``
+        (SGLang's RadixKey.extra_key); None matches only what was stored with None."""
 
     @abstractmethod
     def cache_finished_req(self, req: CachedReq, is_insert: bool = True) -> None: ...

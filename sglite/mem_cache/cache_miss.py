@@ -20,6 +20,7 @@ class EvictedKey(NamedTuple):
     start: int  # where the leaf began: tokens before it stayed cached
     iteration: int  # when it was evicted
     lru_rank: int  # its place in that eviction's least-recently-used order (0: first out)
+    extra_key: str | None = None  # the cache key it was stored under (RadixCache's extra_key)
 
 
 class CacheMiss(NamedTuple):
@@ -59,14 +60,19 @@ class EvictionMemory:
     def __init__(self, size: int = EVICTED_MEMORY):
         self.keys: deque[EvictedKey] = deque(maxlen=size)
 
-    def record(self, key: tuple[int, ...], start: int, iteration: int, lru_rank: int) -> None:
-        self.keys.append(EvictedKey(key, start, iteration, lru_rank))
+    def record(self, key: tuple[int, ...], start: int, iteration: int, lru_rank: int,
+               extra_key: str | None = None) -> None:
+        self.keys.append(EvictedKey(key, start, iteration, lru_rank, extra_key))
 
-    def longest(self, key: list[int], matched: int) -> tuple[int, int]:
+    def longest(self, key: list[int], matched: int, extra_key: str | None = None) -> tuple[int, int]:
         """How far ``key`` runs along an evicted leaf past ``matched``, and when that
-        leaf was evicted: (length, iteration); (matched, 0) when none does."""
+        leaf was evicted: (length, iteration); (matched, 0) when none does. Only leaves
+        of the same ``extra_key`` count: a request could never have matched another
+        key's tokens, and naming them would tell it what another client sent."""
         best, when = matched, 0
         for e in self.keys:
+            if e.extra_key != extra_key:
+                continue
             if e.start > matched or len(e.key) <= best or e.key[matched: matched + 1] != tuple(key[matched: matched + 1]):
                 continue
             n = matched
@@ -78,14 +84,16 @@ class EvictionMemory:
         return best, when
 
 
-def classify(fill_ids: list[int], matched: int, page_size: int, evicted: EvictionMemory | None) -> CacheMiss:
+def classify(fill_ids: list[int], matched: int, page_size: int, evicted: EvictionMemory | None,
+             extra_key: str | None = None) -> CacheMiss:
     """``matched``: tokens the cache served (page-aligned, as match_prefix returns
-    them); ``evicted``: the cache's EvictionMemory, None when the radix cache is off."""
+    them); ``evicted``: the cache's EvictionMemory, None when the radix cache is off;
+    ``extra_key``: the request's cache key (only its own key's evictions explain it)."""
     n = len(fill_ids)
     if evicted is None:
         return CacheMiss(matched=0, rest=n, radix_off=True)
     matchable = page_align_down(n - 1, page_size)  # the last token is never looked up
-    reached, when = evicted.longest(fill_ids[:matchable], matched)
+    reached, when = evicted.longest(fill_ids[:matchable], matched, extra_key)
     reached = min(reached, matchable)
     page_tail = (n - 1) - matchable if reached == matchable else 0
     rest = n - 1 - reached - page_tail

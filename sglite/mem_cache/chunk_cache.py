@@ -20,7 +20,7 @@ class ChunkCache(BasePrefixCache):
     def reset(self) -> None:
         pass
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
+    def match_prefix(self, key: list[int], extra_key: str | None = None) -> MatchResult:
         return MatchResult(self._empty(), None)
 
     def cache_finished_req(self, req: CachedReq, is_insert: bool = True) -> None:

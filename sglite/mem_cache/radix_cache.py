@@ -9,6 +9,12 @@ Ownership: a slot is either free in the allocator, held by exactly one tree node
 held by exactly one live request (the part of its KV not in the tree). ``insert``
 transfers slots from a request to the tree; the caller frees whatever duplicated
 slots were already present.
+
+Isolation (SGLang's ``extra_key``, OpenAI's ``cache_salt``): a request with a key lives in
+its own subtrees. Every node remembers the key it was inserted under, and a child's key
+in ``children`` is ``(extra_key, first token or page)`` when the key is set, the plain
+token or page otherwise, so a lookup under one key never enters another key's nodes
+(nor the unkeyed ones). Requests without a key (None) share the plain tree.
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ class TreeNode:
         self.children: dict[Any, TreeNode] = {}
         self.parent: TreeNode | None = None
         self.key: list[int] = []
+        # the extra_key of every request that reaches this node; the same on the whole
+        # path below the root (the root, shared by all keys, has None)
+        self.extra_key: str | None = None
         self.value: torch.Tensor = torch.empty(0, dtype=torch.int64)
         self.lock_ref = 0
         self.last_access_time = 0.0
@@ -62,6 +71,14 @@ class TreeNode:
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, key_len={len(self.key)}, lock_ref={self.lock_ref})"
+
+
+def get_child_key(key: list[int], page_size: int, extra_key: str | None = None) -> Any:
+    """The key of the child that ``key`` continues into. A plain token (page) when
+    ``extra_key`` is None, so the unkeyed tree is exactly what it was without keys; a
+    tuple (str, ...) otherwise, which no plain token or page of ints can equal."""
+    plain = key[0] if page_size == 1 else tuple(key[:page_size])
+    return plain if extra_key is None else (extra_key, plain)
 
 
 def _key_match_page_size1(key0: list[int], key1: list[int]) -> int:
@@ -93,13 +110,12 @@ class RadixCache(BasePrefixCache):
     ):
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, event_bus)
         self.key_match_fn: Callable[[list[int], list[int]], int]
-        self.get_child_key_fn: Callable[[list[int]], Any]
+        self.get_child_key_fn: Callable[[list[int], str | None], Any]
         if page_size == 1:
             self.key_match_fn = _key_match_page_size1
-            self.get_child_key_fn = lambda key: key[0]
         else:
             self.key_match_fn = lambda k0, k1: _key_match_paged(k0, k1, page_size)
-            self.get_child_key_fn = lambda key: tuple(key[:page_size])
+        self.get_child_key_fn = lambda key, extra_key=None: get_child_key(key, page_size, extra_key)
         # what eviction took, so an admission can tell evicted tokens from new ones
         self.evicted_keys = EvictionMemory()
         self.reset()
@@ -121,21 +137,25 @@ class RadixCache(BasePrefixCache):
     def _page_aligned(self, n: int) -> int:
         return page_align_down(n, self.page_size)
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
+    def match_prefix(self, key: list[int], extra_key: str | None = None) -> MatchResult:
+        """The longest cached prefix of ``key`` stored under ``extra_key`` (None: the
+        unkeyed tree); an empty match ends at the root whatever the key."""
         key = list(key[: self._page_aligned(len(key))])
         if not key:
             return MatchResult(self._empty(), self.root_node)
-        values, last_node = self._match_prefix_helper(self.root_node, key)
+        values, last_node = self._match_prefix_helper(self.root_node, key, extra_key)
         indices = torch.cat(values) if values else self._empty()
         return MatchResult(indices, last_node)
 
-    def _match_prefix_helper(self, node: TreeNode, key: list[int]) -> tuple[list[torch.Tensor], TreeNode]:
+    def _match_prefix_helper(self, node: TreeNode, key: list[int],
+                             extra_key: str | None) -> tuple[list[torch.Tensor], TreeNode]:
         node.touch()
         values: list[torch.Tensor] = []
         while key:
-            child = node.children.get(self.get_child_key_fn(key))
+            child = node.children.get(self.get_child_key_fn(key, extra_key))
             if child is None:
                 break
+            assert child.extra_key == extra_key, "a child key names its node's extra_key"
             child.touch()
             prefix_len = self.key_match_fn(child.key, key)
             if prefix_len < len(child.key):
@@ -159,33 +179,34 @@ class RadixCache(BasePrefixCache):
         new_node = self._new_node()
         new_node.parent = parent
         new_node.key = child.key[:split_len]
+        new_node.extra_key = child.extra_key
         new_node.value = child.value[:split_len]
         new_node.lock_ref = child.lock_ref
         new_node.hit_count = child.hit_count
         child.key = child.key[split_len:]
         child.value = child.value[split_len:]
         child.parent = new_node
-        new_node.children = {self.get_child_key_fn(child.key): child}
-        parent.children[self.get_child_key_fn(new_node.key)] = new_node
+        new_node.children = {self.get_child_key_fn(child.key, child.extra_key): child}
+        parent.children[self.get_child_key_fn(new_node.key, new_node.extra_key)] = new_node
         return new_node
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
-        """Store ``key`` -> ``value``; returns how many leading tokens were already
-        present. Their slots in ``value`` are duplicates the caller must free; the rest
-        now belong to the tree."""
+    def insert(self, key: list[int], value: torch.Tensor, extra_key: str | None = None) -> int:
+        """Store ``key`` -> ``value`` under ``extra_key``; returns how many leading tokens
+        were already present under that key. Their slots in ``value`` are duplicates
+        the caller must free; the rest now belong to the tree."""
         aligned = self._page_aligned(len(key))
         key = list(key[:aligned])
         # the tree must not alias a caller's buffer (e.g. a req_to_token row reused later)
         value = value[:aligned].to(device=self.device, dtype=torch.int64).clone()
         if len(value) != len(key):
             raise ValueError(f"insert: key has {len(key)} tokens but value {len(value)} slots")
-        return self._insert_helper(self.root_node, key, value)
+        return self._insert_helper(self.root_node, key, value, extra_key)
 
-    def _insert_helper(self, node: TreeNode, key: list[int], value: torch.Tensor) -> int:
+    def _insert_helper(self, node: TreeNode, key: list[int], value: torch.Tensor, extra_key: str | None) -> int:
         node.touch()
         total_prefix_len = 0
         while key:
-            child = node.children.get(self.get_child_key_fn(key))
+            child = node.children.get(self.get_child_key_fn(key, extra_key))
             if child is None:
                 break
             child.touch()
@@ -198,8 +219,9 @@ class RadixCache(BasePrefixCache):
             new_node = self._new_node()
             new_node.parent = node
             new_node.key = key
+            new_node.extra_key = extra_key
             new_node.value = value
-            node.children[self.get_child_key_fn(key)] = new_node
+            node.children[self.get_child_key_fn(key, extra_key)] = new_node
             self.evictable_size_ += len(value)
         return total_prefix_len
 
@@ -230,12 +252,12 @@ class RadixCache(BasePrefixCache):
             node = node.parent
         key = tuple(t for k in reversed(path) for t in k)
         iteration = self.event_bus.iteration if self.event_bus is not None else 0
-        self.evicted_keys.record(key, len(key) - len(leaf.key), iteration, lru_rank)
+        self.evicted_keys.record(key, len(key) - len(leaf.key), iteration, lru_rank, leaf.extra_key)
 
     def _delete_leaf(self, node: TreeNode) -> TreeNode:
         parent = node.parent
         assert parent is not None and not node.children and node.lock_ref == 0
-        del parent.children[self.get_child_key_fn(node.key)]
+        del parent.children[self.get_child_key_fn(node.key, node.extra_key)]
         node.parent = None
         self.evictable_size_ -= len(node.value)
         return parent
@@ -303,7 +325,8 @@ class RadixCache(BasePrefixCache):
 
         def walk(node: TreeNode, depth: int) -> None:
             for child in node.children.values():
-                lines.append(f"{'  ' * depth}{child.key[:SNAPSHOT_KEY_HEAD]} len={len(child.key)} r={child.lock_ref}")
+                head = f"{'  ' * depth}{child.key[:SNAPSHOT_KEY_HEAD]} len={len(child.key)} r={child.lock_ref}"
+                lines.append(head if child.extra_key is None else f"{head} extra_key={child.extra_key!r}")
                 walk(child, depth + 1)
 
         walk(self.root_node, 0)
@@ -325,7 +348,7 @@ class RadixCache(BasePrefixCache):
         if is_insert:
             token_ids = (req.origin_input_ids + req.output_ids)[:n]
             aligned = self._page_aligned(n)
-            already = self.insert(token_ids[:aligned], kv_indices[:aligned])
+            already = self.insert(token_ids[:aligned], kv_indices[:aligned], req.extra_key)
             if already > start:
                 free(kv_indices[start:already])
             free(kv_indices[aligned:])
@@ -346,10 +369,10 @@ class RadixCache(BasePrefixCache):
         kv_indices = self.req_to_token_pool.req_to_token[idx, :n].clone()
         aligned = self._page_aligned(n)
         start = self._owned_start(req)
-        already = self.insert(token_ids[:aligned], kv_indices[:aligned])
+        already = self.insert(token_ids[:aligned], kv_indices[:aligned], req.extra_key)
         if already > start:
             self.token_to_kv_pool_allocator.free(kv_indices[start:already])
-        new_indices, new_last_node = self.match_prefix(token_ids[:aligned])
+        new_indices, new_last_node = self.match_prefix(token_ids[:aligned], req.extra_key)
         assert len(new_indices) == aligned, "a just-inserted prefix must match in full"
         # the freed duplicates must not stay in req_to_token: point those positions at
         # the tree's copy (from the page boundary, so no freed page is left behind)

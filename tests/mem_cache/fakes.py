@@ -18,3 +18,4 @@ class FakeReq:
     last_node: Any = None
     req_pool_idx: int | None = None
     kv_committed_len: int = 0  # 0: only what _kv_len counts holds a slot
+    extra_key: str | None = None  # its cache key (None: the shared, unkeyed tree)

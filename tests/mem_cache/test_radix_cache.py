@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from sglite.events import CacheEvicted, CacheInserted, EventBus, EventLog
 from tests.mem_cache.fakes import FakeReq
+from sglite.mem_cache.cache_miss import classify
 from sglite.mem_cache.chunk_cache import ChunkCache
 from sglite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from sglite.mem_cache.radix_cache import RadixCache, TreeNode
@@ -23,11 +24,11 @@ def make_cache(page_size: int = 1, pool_size: int = 64, bus: EventBus | None = N
     return RadixCache(req_pool, alloc, page_size=page_size, event_bus=bus), req_pool, alloc
 
 
-def insert_fresh(cache: RadixCache, key: list[int]) -> tuple[int, torch.Tensor]:
+def insert_fresh(cache: RadixCache, key: list[int], extra_key: str | None = None) -> tuple[int, torch.Tensor]:
     """Insert ``key`` with newly allocated slots, freeing the duplicates as a caller must."""
     slots = cache.token_to_kv_pool_allocator.alloc(len(key))
     assert slots is not None
-    already = cache.insert(key, slots)
+    already = cache.insert(key, slots, extra_key)
     cache.token_to_kv_pool_allocator.free(slots[:already])
     return already, slots
 
@@ -67,9 +68,13 @@ def check_tree(cache: RadixCache) -> set[int]:
         for ck, child in node.children.items():
             assert child.parent is node
             expected_ck = child.key[0] if ps == 1 else tuple(child.key[:ps])
+            if child.extra_key is not None:
+                expected_ck = (child.extra_key, expected_ck)
             assert ck == expected_ck
         if node is root:
             continue
+        if node.parent is not root:
+            assert node.extra_key == node.parent.extra_key, "a subtree holds one extra_key"
         assert len(node.key) > 0 and len(node.key) % ps == 0
         assert len(node.value) == len(node.key) and node.value.dtype == torch.int64
         assert node.lock_ref >= 0
@@ -282,7 +287,7 @@ def run_prefill(cache, req_pool, alloc, req: FakeReq, upto: int | None = None) -
     if req.req_pool_idx is None:
         req.req_pool_idx = req_pool.alloc(1)[0]
         req.fill_ids = req.origin_input_ids + req.output_ids
-        res = cache.match_prefix(req.fill_ids[:-1])
+        res = cache.match_prefix(req.fill_ids[:-1], req.extra_key)
         req.prefix_indices, req.last_node = res.device_indices, res.last_device_node
         cache.inc_lock_ref(req.last_node)
         req_pool.write(req.req_pool_idx, 0, req.prefix_indices)
@@ -689,5 +694,242 @@ class RequestMachine(RuleBasedStateMachine):
 
 TestRequestMachine = RequestMachine.TestCase
 TestRequestMachine.settings = settings(
+    max_examples=300, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+# --- extra_key (cache_salt): isolated subtrees ----------------------------------------
+
+
+def test_the_same_tokens_under_two_keys_never_match_each_other():
+    cache, _, alloc = make_cache()
+    _, a = insert_fresh(cache, [1, 2, 3, 4], "alice")
+    for other in ("bob", None):
+        res = cache.match_prefix([1, 2, 3, 4], other)
+        assert res.device_indices.numel() == 0 and res.last_device_node is cache.root_node
+    assert cache.match_prefix([1, 2, 3, 4], "alice").device_indices.tolist() == a.tolist()
+    # bob's copy is stored apart, in slots of its own
+    already, b = insert_fresh(cache, [1, 2, 3, 4], "bob")
+    assert already == 0 and not set(a.tolist()) & set(b.tolist())
+    assert cache.match_prefix([1, 2, 3, 9], "bob").device_indices.tolist() == b[:3].tolist()
+    assert cache.match_prefix([1, 2, 3, 4], "alice").device_indices.tolist() == a.tolist()
+    assert set(cache.root_node.children) == {("alice", 1), ("bob", 1)}
+    assert cache.total_size() == 8
+    assert check_free_list(alloc) | check_tree(cache) == all_slots(alloc)
+
+
+def test_an_unkeyed_prefix_and_a_keyed_one_never_share():
+    cache, _, alloc = make_cache()
+    _, plain = insert_fresh(cache, [5, 6, 7])
+    assert cache.match_prefix([5, 6, 7], "k").device_indices.numel() == 0
+    assert insert_fresh(cache, [5, 6, 7, 8], "k")[0] == 0
+    assert insert_fresh(cache, [5, 6, 7, 8])[0] == 3  # the plain tree is as it was
+    assert cache.match_prefix([5, 6, 7]).device_indices.tolist() == plain.tolist()
+    assert list(cache.root_node.children) == [5, ("k", 5)]
+    assert "extra_key='k'" in cache.pretty_print() and cache.pretty_print().count("extra_key") == 1
+    assert check_free_list(alloc) | check_tree(cache) == all_slots(alloc)
+
+
+@pytest.mark.parametrize("ps", [1, 2])
+def test_a_split_stays_in_its_keys_subtree(ps):
+    cache, _, _ = make_cache(page_size=ps)
+    key = list(range(1, 4 * ps + 1))
+    insert_fresh(cache, key, "a")
+    insert_fresh(cache, key)
+    res = cache.match_prefix(key[: 2 * ps] + [99] * ps, "a")
+    upper = res.last_device_node
+    assert len(res.device_indices) == 2 * ps and upper.extra_key == "a" and upper.key == key[: 2 * ps]
+    assert [c.extra_key for c in upper.children.values()] == ["a"]
+    plain = cache.match_prefix(key).last_device_node
+    assert plain.key == key and plain.parent is cache.root_node  # the unkeyed node was not split
+    check_tree(cache)
+
+
+def test_locks_and_eviction_with_mixed_keys_are_exact():
+    cache, _, alloc = make_cache()
+    insert_fresh(cache, [1, 2, 3, 4], "a")
+    insert_fresh(cache, [1, 2, 3, 4], "b")
+    insert_fresh(cache, [1, 2, 3, 4])
+    node = cache.match_prefix([1, 2, 3, 4], "a").last_device_node
+    assert cache.inc_lock_ref(node) == -4
+    assert (cache.protected_size(), cache.evictable_size()) == (4, 8)
+    cache.evict(100)  # b's copy and the plain one go; a's stays
+    assert (cache.protected_size(), cache.evictable_size(), cache.total_size()) == (4, 0, 4)
+    assert cache.match_prefix([1, 2, 3, 4], "b").device_indices.numel() == 0
+    assert cache.match_prefix([1, 2, 3, 4]).device_indices.numel() == 0
+    assert cache.match_prefix([1, 2, 3, 4], "a").device_indices.numel() == 4
+    assert list(cache.root_node.children) == [("a", 1)]
+    assert cache.dec_lock_ref(node) == 4
+    cache.evict(100)
+    assert cache.total_size() == 0 and alloc.available_size() == alloc.size
+
+
+def test_a_miss_is_explained_only_by_evictions_of_its_own_key():
+    cache, _, _ = make_cache()
+    insert_fresh(cache, [1, 2, 3, 4, 5], "a")
+    cache.evict(100)
+    fill = [1, 2, 3, 4, 5, 6]
+    own = classify(fill, 0, 1, cache.evicted_keys, "a")
+    assert (own.evicted, own.rest) == (5, 0)
+    for other in ("b", None):  # another client's eviction tells nothing of it
+        m = classify(fill, 0, 1, cache.evicted_keys, other)
+        assert (m.evicted, m.diverged_at, m.rest) == (0, -1, 5)
+
+
+def test_requests_cache_under_their_own_key():
+    cache, req_pool, alloc = make_cache()
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    first = FakeReq("a", prompt, extra_key="a")
+    run_prefill(cache, req_pool, alloc, first, upto=5)
+    cache.cache_unfinished_req(first)  # a chunk boundary: the 5 tokens go under "a"
+    assert first.last_node.extra_key == "a" and path_key(first.last_node) == tuple(prompt[:5])
+    assert cache.match_prefix(prompt, None).device_indices.numel() == 0
+    run_prefill(cache, req_pool, alloc, first)
+    first.output_ids.append(7)
+    cache.cache_finished_req(first)
+    second = FakeReq("b", prompt, extra_key="b")
+    run_prefill(cache, req_pool, alloc, second)
+    assert len(second.prefix_indices) == 0 and second.last_node is cache.root_node
+    third = FakeReq("a2", prompt, extra_key="a")
+    run_prefill(cache, req_pool, alloc, third)
+    assert len(third.prefix_indices) == len(prompt) - 1
+    for r in (second, third):
+        r.output_ids.append(7)
+        cache.cache_finished_req(r)
+    assert cache.protected_size() == 0 and cache.total_size() == 2 * len(prompt)
+    cache.evict(1000)
+    assert alloc.available_size() == alloc.size and req_pool.available_size() == req_pool.size
+
+
+def test_chunk_cache_takes_an_extra_key_and_reuses_nothing():
+    req_pool = ReqToTokenPool(size=2, max_context_len=8)
+    cache = ChunkCache(req_pool, TokenToKVPoolAllocator(size=16), page_size=1)
+    res = cache.match_prefix([1, 2, 3], "a")
+    assert res.device_indices.numel() == 0 and res.last_device_node is None
+
+
+EXTRA_KEYS = st.sampled_from([None, "a", "b"])
+
+
+class KeyedTreeMachine(RuleBasedStateMachine):
+    """insert / match / lock / unlock / evict, each under one of a few extra keys,
+    against a model that keeps each key's stored prefixes apart."""
+
+    @initialize(ps=st.sampled_from([1, 2, 4]))
+    def setup(self, ps: int) -> None:
+        self.ps = ps
+        self.cache, _, self.alloc = make_cache(page_size=ps, pool_size=48)
+        # (extra_key, stored page-aligned prefix) -> the slots of its last page
+        self.stored: dict[tuple[str | None, tuple[int, ...]], list[int]] = {}
+        self.locked: list[TreeNode] = []
+
+    def _expected_match(self, key: list[int], ek: str | None) -> tuple[int, list[int]]:
+        key = key[: len(key) // self.ps * self.ps]
+        j = 0
+        while j + self.ps <= len(key) and (ek, tuple(key[: j + self.ps])) in self.stored:
+            j += self.ps
+        return j, [s for i in range(self.ps, j + 1, self.ps) for s in self.stored[(ek, tuple(key[:i]))]]
+
+    @rule(key=TOKENS, ek=EXTRA_KEYS)
+    def insert(self, key: list[int], ek: str | None) -> None:
+        key = key[: len(key) // self.ps * self.ps]
+        slots = self.alloc.alloc(len(key))
+        if slots is None:
+            return
+        expected_already, _ = self._expected_match(key, ek)
+        already = self.cache.insert(key, slots, ek)
+        assert already == expected_already
+        self.alloc.free(slots[:already])
+        for i in range(already + self.ps, len(key) + 1, self.ps):
+            self.stored[(ek, tuple(key[:i]))] = slots[i - self.ps : i].tolist()
+
+    @rule(key=TOKENS, ek=EXTRA_KEYS)
+    def match(self, key: list[int], ek: str | None) -> None:
+        j, slots = self._expected_match(key, ek)
+        res = self.cache.match_prefix(key, ek)
+        assert res.device_indices.tolist() == slots
+        node = res.last_device_node
+        assert path_key(node) == tuple(key[:j])
+        assert node is self.cache.root_node or node.extra_key == ek
+
+    @rule(key=TOKENS, ek=EXTRA_KEYS)
+    def lock(self, key: list[int], ek: str | None) -> None:
+        node = self.cache.match_prefix(key, ek).last_device_node
+        before = self.cache.evictable_size()
+        delta = self.cache.inc_lock_ref(node)
+        assert self.cache.evictable_size() == before + delta
+        self.locked.append(node)
+
+    @precondition(lambda self: self.locked)
+    @rule(i=st.integers(0, 100))
+    def unlock(self, i: int) -> None:
+        node = self.locked.pop(i % len(self.locked))
+        before = self.cache.evictable_size()
+        delta = self.cache.dec_lock_ref(node)
+        assert self.cache.evictable_size() == before + delta
+
+    @rule(n=st.integers(0, 40))
+    def evict(self, n: int) -> None:
+        before_free, before_total = self.alloc.available_size(), self.cache.total_size()
+        self.cache.evict(n)
+        evicted = before_total - self.cache.total_size()
+        assert self.alloc.available_size() == before_free + evicted
+        if evicted < n:
+            assert self.cache.evictable_size() == 0
+        remaining = [(node.extra_key, path_key(node)) for node in iter_nodes(self.cache)]
+        self.stored = {k: v for k, v in self.stored.items()
+                       if any(ek == k[0] and p[: len(k[1])] == k[1] for ek, p in remaining)}
+        assert sum(len(v) for v in self.stored.values()) == self.cache.total_size()
+
+    @invariant()
+    def consistent(self) -> None:
+        if not hasattr(self, "cache"):
+            return
+        tree_slots = check_tree(self.cache)
+        free = check_free_list(self.alloc)
+        assert not tree_slots & free and tree_slots | free == all_slots(self.alloc)
+        expected: dict[int, int] = {}
+        for node in self.locked:
+            for n in path_to(node):
+                expected[n.id] = expected.get(n.id, 0) + 1
+        for n in iter_nodes(self.cache):
+            if n is not self.cache.root_node:
+                assert n.lock_ref == expected.get(n.id, 0)
+
+
+TestKeyedTreeMachine = KeyedTreeMachine.TestCase
+TestKeyedTreeMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+
+
+class KeyedRequestMachine(RequestMachine):
+    """RequestMachine with each arriving request under one of a few extra keys: its
+    match, lock, chunk caching and finish stay inside its key's subtree, and every
+    page is still free, in the tree, or owned by exactly one live request."""
+
+    @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=14), ek=EXTRA_KEYS)
+    def arrive(self, prompt: list[int], ek: str | None) -> None:
+        if self.req_pool.available_size() == 0:
+            return
+        self.counter += 1
+        req = FakeReq(f"r{self.counter}", prompt, extra_key=ek)
+        req.req_pool_idx = self.req_pool.alloc(1)[0]
+        req.fill_ids = list(prompt)
+        res = self.cache.match_prefix(req.fill_ids[:-1], ek)
+        req.prefix_indices, req.last_node = res.device_indices, res.last_device_node
+        self.cache.inc_lock_ref(req.last_node)
+        self.req_pool.write(req.req_pool_idx, 0, req.prefix_indices)
+        self.live.append(SimReq(req, kv_len=len(req.prefix_indices)))
+
+    @invariant()
+    def each_request_holds_its_own_keys_nodes(self) -> None:
+        if not hasattr(self, "cache") or not self.radix:
+            return
+        for s in self.live:
+            for n in path_to(s.req.last_node):
+                assert n.extra_key == s.req.extra_key
+
+
+TestKeyedRequestMachine = KeyedRequestMachine.TestCase
+TestKeyedRequestMachine.settings = settings(
     max_examples=300, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
