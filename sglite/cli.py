@@ -162,18 +162,42 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--enable-debug-control", action="store_true",
                        help="let POST /debug/control pause and step the scheduler (sglite tui --attach); off, a "
                             "server cannot be paused by anyone")
+        _add_security_arguments(p)
         add_engine_arguments(p)  # server arguments, --record and the tracing options (the scheduler's process)
         p.set_defaults(func=_run_serve)
+
+
+def _add_security_arguments(p: argparse.ArgumentParser) -> None:
+    """docs/serving.md, "Security"."""
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /health_generate and "
+                        "/metrics (default: $SGLITE_API_KEY; none: no key)")
+    p.add_argument("--enable-debug-events", action="store_true",
+                   help="let GET /debug/events stream the scheduler's events (sglite tui --attach): they hold every "
+                        "client's prompts and outputs; off, no route shows one client's data to another")
+    p.add_argument("--max-body-size", default="32M", help="largest request body, e.g. 32M, 512K (bigger: 413)")
+    p.add_argument("--allowed-hosts", default="",
+                   help="comma-separated host names clients may use in Host and Origin besides IP addresses and "
+                        "localhost (a DNS-rebinding and cross-site guard); '*' accepts any")
+    p.add_argument("--metrics-require-api-key", action="store_true",
+                   help="/metrics needs the --api-key too (off: Prometheus scrapes without a token)")
 
 
 def _run_serve(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    server_args = check_engine_args(args)
-    from sglite.entrypoints.launch_server import ServeArgs, launch_server
+    from sglite.entrypoints.http_security import parse_size
+    from sglite.entrypoints.launch_server import ServeArgs, health_check_timeout, launch_server
 
-    viewer_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
-    serve = ServeArgs(args.host, args.port, args.enable_metrics, args.served_model_name, args.enable_debug_control)
+    api_key = args.api_key or os.environ.get("SGLITE_API_KEY") or None  # (not the default: --help would print it)
+    serve = ServeArgs(args.host, args.port, args.enable_metrics, args.served_model_name, args.enable_debug_control,
+                      api_key, args.enable_debug_events, parse_size(args.max_body_size),
+                      tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
+                      args.metrics_require_api_key, health_check_timeout())
+    if args.metrics_require_api_key and not api_key:
+        raise ValueError("--metrics-require-api-key needs --api-key (or SGLITE_API_KEY)")
+    server_args = check_engine_args(args)
+    viewer_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ("func", "api_key")})
     return launch_server(server_args, serve, viewer_args)
 
 

@@ -12,16 +12,17 @@ import logging
 import sys
 import threading
 import time
-from collections import deque
+import weakref
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from sglite.distributed.parallel_state import TpRankDiedError, destroy_model_parallel, set_rank_watch
 from sglite.events import EventBus
 from sglite.managers.detokenizer_manager import DetokenizerManager
 from sglite.managers.io_struct import AbortReq, BatchStrOut, BatchTokenIDOut
 from sglite.managers.scheduler import Scheduler
-from sglite.managers.tokenizer_manager import TokenizerManager
+from sglite.managers.tokenizer_manager import TokenizerManager, check_rid
 from sglite.server_args import DEFAULT_MODEL, ServerArgs
 
 Prompt = str | list[str] | None
@@ -86,6 +87,14 @@ class Engine:
         self._rid_counter = itertools.count()
         self._results: dict[str, ReqState] = {}
         self._lock = threading.RLock()
+        # streams dropped unread: garbage collection hands their (rids, states) over here
+        # (deque.append takes no lock); whoever holds the lock next releases them
+        self._dropped: deque[tuple[list[str], list[ReqState]]] = deque()
+        self._unsent_aborts: list[str] = []  # released by a finalizer, which sends nothing
+        # rid -> released unfinished requests still to send their last output: the rid may
+        # be claimed again, and what they send must not reach the new request (an abort is
+        # queued before any later request of the rid, and answered at once: see step())
+        self._stale: Counter[str] = Counter()
         self._froze_gc = False  # freeze_gc was called: shutdown gives the heap back
 
     def _start_tp_ranks(self) -> list[Any]:
@@ -128,22 +137,26 @@ class Engine:
 
     def submit(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
                messages: list[dict] | None = None, sampling_params: dict[str, Any] | None = None,
-               rid: str | None = None, stream: bool = False, _waiter: bool = False) -> str:
+               rid: str | None = None, stream: bool = False, extra_key: str | None = None,
+               _waiter: bool = False) -> str:
         """Queue one request for the next iteration; returns its rid. Raises ValueError
-        for a rid already in use; any other bad input comes back as the request's error."""
+        for a rid already in use; any other bad input comes back as the request's error.
+        ``extra_key`` (SGLang's name; OpenAI's cache_salt): the request shares cached
+        prefixes only with requests of the same key."""
         with self._lock:
             rid = self._claim_rid(rid, stream, _waiter)
-        self.scheduler.send(self.tokenizer_manager.tokenize(rid, prompt, input_ids, messages, sampling_params, stream))
+        self.scheduler.send(self.tokenizer_manager.tokenize(rid, prompt, input_ids, messages, sampling_params, stream,
+                                                            extra_key=extra_key))
         return rid
 
     def _claim_rid(self, rid: Any, stream: bool, waiter: bool) -> str:
         """A fresh rid, or the caller's if no unfinished request (or unread result) has it."""
+        self._release_dropped()  # a dropped stream's abort goes before a new request of its rid
         if rid is None:
             rid = f"r{next(self._rid_counter)}"
             while rid in self._results:
                 rid = f"r{next(self._rid_counter)}"
-        if not isinstance(rid, str) or not rid:
-            raise ValueError(f"rid must be a non-empty string, got {rid!r}")
+        check_rid(rid)  # (a RequestError is a ValueError)
         old = self._results.get(rid)
         if old is not None and (not old.finished or old.waiter):
             raise ValueError(f"request id {rid!r} is already in use by an unfinished request")
@@ -163,6 +176,7 @@ class Engine:
         with self._lock:
             if self._tp_failed:
                 raise TpRankDiedError("the tensor-parallel engine stopped after a rank died; start a new one")
+            self._release_dropped()
             try:
                 next(self._event_loop)
             except TpRankDiedError as e:
@@ -172,9 +186,17 @@ class Engine:
                 raise
             outputs, self._outputs = self._outputs, []
             for out in outputs:
+                if out.rid in self._stale:  # a released request's: its rid may be in use again
+                    if out.finished:
+                        self._stale[out.rid] -= 1
+                        if not self._stale[out.rid]:
+                            del self._stale[out.rid]
+                    continue
                 state = self._results.get(out.rid)
                 if state is not None:  # None: its caller stopped reading and dropped it
                     state.add(out)
+            if self._stale and not self.scheduler.has_work():
+                self._stale.clear()  # nothing runs: no released request has anything left to send
             return outputs
 
     def _detokenize(self, out: BatchTokenIDOut) -> None:
@@ -190,7 +212,7 @@ class Engine:
         """Request ``rid``'s history in words and numbers: which budget held it in the
         waiting_queue and for how many rounds, its cache hit, chunks, retractions, finish
         (docs/why.md). Raises KeyError for a rid this engine has not seen (or forgot:
-        it keeps the last 10,000)."""
+        it keeps the last 10,000, fewer when their histories are long; RequestHistory)."""
         with self._lock:
             out = self.scheduler.observer.explain(rid)
         if out.error:
@@ -201,33 +223,52 @@ class Engine:
 
     def generate(self, prompt: Prompt = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, messages: list | None = None,
-                 stream: bool = False, rid: str | list[str] | None = None) -> Any:
+                 stream: bool = False, rid: str | list[str] | None = None,
+                 extra_key: str | list[str | None] | None = None) -> Any:
         """Returns a dict (or a list of dicts for a batch) with text, output_ids and
-        meta_info; with stream=True, an iterator of increments. A batch is a list of
-        prompts, of input_ids lists, or of chats (lists of messages)."""
+        meta_info; with stream=True, a GenerateStream of increments. A batch is a list of
+        prompts, of input_ids lists, or of chats (lists of messages); sampling_params,
+        rid and extra_key (see submit) are one for all of it or a list of one per prompt."""
         reqs, is_batch = _split_batch(prompt, input_ids, messages)
         n = len(reqs)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         rids = rid if isinstance(rid, list) else [rid] * n if not is_batch else [None] * n
+        keys = extra_key if isinstance(extra_key, list) else [extra_key] * n
         if len(params) != n or len(rids) != n:
             raise ValueError(f"{n} prompts need as many sampling_params and rids (got {len(params)}, {len(rids)})")
+        if len(keys) != n:
+            raise ValueError(f"{n} prompts need one extra_key or as many (got {len(keys)})")
         named = [r for r in rids if r is not None]
         if len(set(named)) != len(named):
             raise ValueError("the rids of one batch must differ")
         with self._lock:  # all rids claimed, or none
+            self._release_dropped()
             busy = [r for r in named if r in self._results and (not self._results[r].finished or self._results[r].waiter)]
             if busy:
                 raise ValueError(f"request id {busy[0]!r} is already in use by an unfinished request")
-            rids = [self.submit(**req, sampling_params=p, rid=r, stream=stream, _waiter=True)
-                    for req, p, r in zip(reqs, params, rids)]
+            rids = self._submit_all([dict(req, sampling_params=p, rid=r, extra_key=k)
+                                     for req, p, r, k in zip(reqs, params, rids, keys)], stream)
+            states = [self._results[r] for r in rids]
         if stream:
-            return self._stream(rids, is_batch)
+            return GenerateStream(self, rids, states, is_batch)
         try:
             self._run_until_finished(rids)
             results = [self._results[r].to_dict() for r in rids]
         finally:
-            self._drop(rids)
+            self._release(rids, states)  # (on an error: aborts the unfinished)
         return results if is_batch else results[0]
+
+    def _submit_all(self, reqs: list[dict[str, Any]], stream: bool) -> list[str]:
+        """Submit each request (the caller holds the lock); if one cannot be, release
+        and abort those already submitted."""
+        rids: list[str] = []
+        try:
+            for req in reqs:
+                rids.append(self.submit(**req, stream=stream, _waiter=True))
+        except BaseException:
+            self._release(rids, [self._results[r] for r in rids])
+            raise
+        return rids
 
     def _run_until_finished(self, rids: list[str]) -> None:
         while True:
@@ -240,34 +281,66 @@ class Engine:
                     raise RuntimeError("scheduler went idle with unfinished requests: " + ", ".join(
                         r for r in rids if not self._results[r].finished))
 
-    def _stream(self, rids: list[str], is_batch: bool) -> Iterator[dict[str, Any]]:
-        pending = set(rids)
-        index = {r: i for i, r in enumerate(rids)}
-        try:
-            while pending:
-                with self._lock:
-                    outs = [(r, self._results[r].pending.popleft()) for r in rids
-                            if r in pending and self._results[r].pending]
-                    if not outs:
-                        had_work = self.scheduler.has_work()
-                        self.step()
-                        if not had_work and not any(self._results[r].pending for r in pending):
-                            raise RuntimeError("scheduler went idle with unfinished requests")
-                for r, out in outs:
-                    if out.finished:
-                        pending.discard(r)
-                    yield _chunk(out, index[r] if is_batch else None)
-        finally:
-            self._drop(rids)
-            for r in pending:  # the caller stopped reading: free what they hold
+    def _stream_outputs(self, states: dict[str, ReqState]) -> list[tuple[str, BatchStrOut]]:
+        """The next outputs of a stream's unfinished requests (rid -> its state, in the
+        stream's order), running iterations until there are some."""
+        while True:
+            with self._lock:
+                outs = [(r, st.pending.popleft()) for r, st in states.items() if st.pending]
+                if outs:
+                    return outs
+                had_work = self.scheduler.has_work()
+                self.step()
+                if not had_work and not any(st.pending for st in states.values()):
+                    raise RuntimeError("scheduler went idle with unfinished requests")
+
+    def _release(self, rids: list[str], states: list[ReqState], step: bool = False) -> None:
+        """Give the rids back (each if still held by its state) and abort their requests
+        not finished; ``step``: then run one iteration, so the aborts free their KV now."""
+        with self._lock:
+            self._release_dropped()
+            aborted = self._release_states(rids, states)
+            for r in aborted:
                 self.abort(r)
-            if pending:
+            if aborted and step and not self._tp_failed:
                 self.step()
 
-    def _drop(self, rids: list[str]) -> None:
-        with self._lock:
-            for r in rids:
-                self._results.pop(r, None)
+    def _release_states(self, rids: list[str], states: list[ReqState]) -> list[str]:
+        """Drop the states from _results (the caller holds the lock); the rids of those
+        not finished, whose last output is now stale. Sends nothing."""
+        unfinished = []
+        for r, st in zip(rids, states):
+            if self._results.get(r) is st:
+                del self._results[r]
+                if not st.finished:
+                    self._stale[r] += 1
+                    unfinished.append(r)
+        return unfinished
+
+    def _stream_dropped(self, rids: list[str], states: list[ReqState]) -> None:
+        """A GenerateStream's finalizer: garbage collection calls it on any thread, maybe
+        inside this engine's own locked code of this thread (a dict being iterated), or
+        inside the scheduler's queue.put: it only hands the rids over, released here if
+        no thread holds the lock, else by the next holder (_release_dropped). It never
+        steps or sends."""
+        self._dropped.append((rids, states))
+        # (_is_owned: RLock's own check, the one threading.Condition uses)
+        if not self._lock._is_owned() and self._lock.acquire(blocking=False):
+            try:
+                self._release_dropped(send=False)
+            finally:
+                self._lock.release()
+
+    def _release_dropped(self, send: bool = True) -> None:
+        """Release the streams garbage collection dropped (the caller holds the lock) and,
+        unless called from a finalizer, send their aborts: before any later request of a
+        released rid can be queued (_claim_rid) and before the next iteration (step)."""
+        while self._dropped:
+            self._unsent_aborts += self._release_states(*self._dropped.popleft())
+        if send and self._unsent_aborts:
+            aborts, self._unsent_aborts = self._unsent_aborts, []
+            for r in aborts:
+                self.abort(r)
 
     def abort(self, rid: str) -> None:
         self.scheduler.send(AbortReq(rid))
@@ -289,6 +362,7 @@ class Engine:
 
     def shutdown(self) -> None:
         with self._lock:
+            self._release_dropped()
             for rid, state in list(self._results.items()):
                 if not state.finished:
                     self.abort(rid)
@@ -306,6 +380,59 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+class GenerateStream:
+    """What ``Engine.generate(..., stream=True)`` returns: an iterator of chunks (dicts,
+    with ``index`` for a batch). Its rids go back to the engine, and its requests not
+    finished are aborted, when it is read to the end, closed, raises, or is garbage
+    collected unread or half read (a generator dropped before its first ``next()``
+    never ran its ``finally``: its rids stayed claimed and its requests ran on)."""
+
+    def __init__(self, engine: Engine, rids: list[str], states: list[ReqState], is_batch: bool):
+        self._engine = engine
+        self._rids, self._states = rids, states
+        self._index = {r: i for i, r in enumerate(rids)} if is_batch else None
+        self._pending = dict(zip(rids, states))  # requests whose finished chunk has not been taken
+        self._ready: deque[dict[str, Any]] = deque()  # chunks taken, not handed out yet
+        # holds the engine and the states, not this stream; at exit there is nothing to free
+        self._finalizer = weakref.finalize(self, engine._stream_dropped, rids, states)
+        self._finalizer.atexit = False
+
+    def __iter__(self) -> GenerateStream:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if not self._ready:
+            if not self._pending:
+                raise StopIteration
+            self._take()
+        return self._ready.popleft()
+
+    def _take(self) -> None:
+        try:
+            outs = self._engine._stream_outputs(self._pending)
+        except BaseException:
+            self._pending.clear()
+            self._give_back(step=False)  # (the error came from a step: abort, run nothing)
+            raise
+        for r, out in outs:
+            if out.finished:
+                del self._pending[r]
+            self._ready.append(_chunk(out, self._index[r] if self._index is not None else None))
+        if not self._pending:
+            self._give_back(step=False)  # read to the end: nothing left to abort
+
+    def close(self) -> None:
+        """Stop reading: the rids go back, the requests not finished are aborted, and one
+        iteration runs so that they free their KV now. Later ``next()`` raises StopIteration."""
+        self._pending.clear()
+        self._ready.clear()
+        self._give_back(step=True)
+
+    def _give_back(self, step: bool) -> None:
+        if self._finalizer.detach() is not None:  # None: given back already
+            self._engine._release(self._rids, self._states, step=step)
 
 
 def _setup_logging(level: str) -> None:

@@ -173,6 +173,9 @@ class ReqArrived(Event):
     # parameters as the scheduler ran them (seed included)
     input_ids: tuple[int, ...] = ()
     sampling_params: dict[str, Any] = field(default_factory=dict)
+    # its cache key (SGLang's extra_key, cache_salt), None for the shared tree; absent
+    # from older recordings, which load with None
+    extra_key: str | None = None
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,11 @@ docs/why.md lists every budget a request can wait on."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
 
 from sglite import events as ev
 from sglite.managers.schedule_batch import RETRACT_DECODE_STEPS
@@ -34,16 +38,33 @@ BUDGET_WORDS = {
 # recompute after a retraction) cost in time
 BATCHES: tuple[type[ev.Event], ...] = (ev.BatchPlanned, ev.ForwardFinished)
 BATCHES_KEPT = 1024  # prefill batches whose forward has not been reported yet
+# a request's first and last KEPT_PER_KIND events of each kind are kept: a request
+# waiting many rounds can be held anew each round (ReqHeld comes when the budget or the
+# request that stopped admission changes), and a long prompt is chunked hundreds of times
+KEPT_PER_KIND = 16
+MAX_EVENTS = 100_000  # kept over all requests: ~10,000 ordinary requests' histories
 
 
 class RequestHistory:
-    """Subscriber (kinds=LIFECYCLE + BATCHES) keeping the lifecycle events of the last
-    ``keep`` requests, and the prefill batches each was in; the oldest request's
-    history goes first."""
+    """Subscriber (kinds=LIFECYCLE + BATCHES) keeping, for ``Engine.explain`` and
+    ``/explain``, the lifecycle events of the last ``keep`` requests and the prefill
+    batches each was in; the oldest request's history goes first. Only what explain
+    reads is kept: an arrival without its prompt's ids and with each list or string
+    sampling parameter as its size (slim_arrival), a batch without its per-row lists
+    (slim_batch); every other subscriber (the recorder, replay) gets the events whole.
 
-    def __init__(self, keep: int = 10_000):
+    Bounds: a request keeps its first and last KEPT_PER_KIND events of each kind (a Gap
+    counts the rest), so at most 3 + 7 * 32 = 227 events, ~200 KB at the very most
+    (long hold details, batches of 64 requests), ~3.5 KB for an ordinary request (~9
+    events, whatever its prompt or stop_token_ids). All requests together keep at most
+    ``max_events`` events, the oldest requests' going first: with MAX_EVENTS, ~40 MB of
+    ordinary events (~400 bytes each), ~100 MB at the very most."""
+
+    def __init__(self, keep: int = 10_000, max_events: int = MAX_EVENTS):
         self.keep = keep
-        self._by_rid: OrderedDict[str, list[ev.Event]] = OrderedDict()
+        self.max_events = max_events
+        self.num_events = 0  # kept over all requests (a BatchPlanned once per request it holds)
+        self._by_rid: OrderedDict[str, _Kept] = OrderedDict()
         self._batch_rids: OrderedDict[int, list[str]] = OrderedDict()  # bid -> its requests we keep
 
     def __call__(self, event: ev.Event) -> None:
@@ -52,40 +73,151 @@ class RequestHistory:
                 self._batch_rids[event.bid] = rids = [r for r in event.rids if r in self._by_rid]
                 if len(self._batch_rids) > BATCHES_KEPT:
                     self._batch_rids.popitem(last=False)
-                for r in rids:
-                    self._by_rid[r].append(event)
-            return
-        if isinstance(event, ev.ForwardFinished):
+                if rids:
+                    slim = slim_batch(event)  # one copy, shared by the batch's requests
+                    for r in rids:
+                        self._add(r, slim)
+        elif isinstance(event, ev.ForwardFinished):
             for r in self._batch_rids.pop(event.bid, ()):
                 if r in self._by_rid:
-                    self._by_rid[r].append(event)
-            return
-        rid = getattr(event, "rid", "")
-        if isinstance(event, ev.ReqArrived):
-            self._by_rid.pop(rid, None)  # a reused rid: a new request, a new history
-        if rid not in self._by_rid:
-            if len(self._by_rid) >= self.keep:
-                self._by_rid.popitem(last=False)
-            self._by_rid[rid] = []
-        self._by_rid[rid].append(event)
+                    self._add(r, event)
+        else:
+            rid = getattr(event, "rid", "")
+            if isinstance(event, ev.ReqArrived):
+                self._forget(rid)  # a reused rid: a new request, a new history
+                event = slim_arrival(event)
+            if rid not in self._by_rid:
+                if len(self._by_rid) >= self.keep:
+                    self._forget(next(iter(self._by_rid)))
+                self._by_rid[rid] = _Kept()
+            self._add(rid, event)
+        while self.num_events > self.max_events and self._by_rid:
+            self._forget(next(iter(self._by_rid)))
+
+    def _add(self, rid: str, event: ev.Event) -> None:
+        """Append to the request's events; past 2 * KEPT_PER_KIND of a kind, the oldest
+        of its last KEPT_PER_KIND goes into that kind's Gap."""
+        kept = self._by_rid[rid]
+        if kept.open_hold is not None and not isinstance(event, ev.ForwardFinished):
+            # explain counts a hold's rounds up to the request's next event (a forward is
+            # reported late, under the iteration that launched it)
+            kept.hold_ends[id(kept.open_hold)] = event.iteration
+            kept.open_hold = None
+        if isinstance(event, ev.ReqHeld):
+            kept.open_hold = event
+        kind = type(event)
+        kept.seen[kind] += 1
+        kept.events.append(event)
+        self.num_events += 1
+        if kept.seen[kind] > 2 * KEPT_PER_KIND:
+            kept.leave_out(kind)
+            self.num_events -= 1
+
+    def _forget(self, rid: str) -> None:
+        kept = self._by_rid.pop(rid, None)
+        if kept is not None:
+            self.num_events -= len(kept.events)
 
     def events(self, rid: str) -> list[ev.Event]:
-        return list(self._by_rid.get(rid, ()))
+        """The events kept of request ``rid`` (arrival order); [] for one not kept."""
+        kept = self._by_rid.get(rid)
+        return list(kept.events) if kept is not None else []
+
+    def gaps(self, rid: str) -> list[Gap]:
+        """What the history left out of request ``rid``'s events, one Gap per kind."""
+        kept = self._by_rid.get(rid)
+        return list(kept.gaps.values()) if kept is not None else []
 
 
-def explain(events: list[ev.Event], rid: str) -> str:
+@dataclass
+class Gap:
+    """A request's events of one kind that its history left out: those between its
+    first and its last KEPT_PER_KIND of the kind (explain says so at their place)."""
+
+    kind: str
+    count: int = 0
+    iteration: int = -1  # the earliest left out
+    last_iteration: int = -1  # the latest left out
+    held_rounds: Counter[str] = field(default_factory=Counter)  # ReqHeld: their rounds by budget
+
+
+@dataclass
+class _Kept:
+    """One request's kept events, in arrival order, and what was left out."""
+
+    events: list[ev.Event] = field(default_factory=list)
+    seen: Counter[type[ev.Event]] = field(default_factory=Counter)  # events received, by kind
+    gaps: dict[str, Gap] = field(default_factory=dict)  # kind name -> what was left out
+    open_hold: ev.ReqHeld | None = None  # the latest ReqHeld, before the request's next event
+    hold_ends: dict[int, int] = field(default_factory=dict)  # id(kept ReqHeld) -> next event's iteration
+
+    def leave_out(self, kind: type[ev.Event]) -> None:
+        """Move the oldest of the kind's last KEPT_PER_KIND (its KEPT_PER_KIND-th kept
+        event, 0-based) into the kind's Gap."""
+        nth = -1
+        for i, e in enumerate(self.events):
+            nth += type(e) is kind
+            if nth == KEPT_PER_KIND:
+                break
+        old = self.events.pop(i)
+        gap = self.gaps.get(kind.__name__)
+        if gap is None:
+            gap = self.gaps[kind.__name__] = Gap(kind.__name__, iteration=old.iteration)
+        gap.count += 1
+        gap.iteration = min(gap.iteration, old.iteration)
+        gap.last_iteration = max(gap.last_iteration, old.iteration)
+        if isinstance(old, ev.ReqHeld):
+            # a newer ReqHeld came, so the request's next event after this one did too
+            end = self.hold_ends.pop(id(old), old.iteration + 1)
+            gap.held_rounds[old.budget] += end - old.iteration
+
+
+def slim_arrival(e: ev.ReqArrived) -> ev.ReqArrived:
+    """The arrival as the history keeps it: explain prints its prompt_tokens and
+    max_new_tokens; the prompt's ids go, and each sampling parameter that is not a
+    number, a flag or None becomes its size (a 4096-entry stop_token_ids: '<list of 4096>')."""
+    return dataclasses.replace(e, input_ids=(), sampling_params={k: _summary(v) for k, v in e.sampling_params.items()})
+
+
+def slim_batch(e: ev.BatchPlanned) -> ev.BatchPlanned:
+    """A prefill batch as the history keeps it: explain reads its rids, extend_lens and
+    num_rows; the per-row out_cache_loc (a long prompt's length) and the lens go."""
+    return dataclasses.replace(e, seq_lens=(), prefix_lens=(), out_cache_loc=())
+
+
+def _summary(value: Any) -> Any:
+    """A sampling parameter as the history keeps it: a scalar as is, anything else its size."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, (str, bytes)):
+        return f"<{len(value)} chars>"
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        return f"<{type(value).__name__} of {len(value)}>"
+    return f"<{type(value).__name__}>"
+
+
+def explain(events: list[ev.Event], rid: str, gaps: Iterable[Gap] = ()) -> str:
     """The history of request ``rid`` from ``events`` (any stream; other requests' and
-    other kinds are skipped). Raises KeyError when the stream holds nothing of it."""
+    other kinds are skipped) and the ``gaps`` a RequestHistory left in it. Raises
+    KeyError when the stream holds nothing of it."""
     mine = _events_of(events, rid)
     if not mine:
         raise KeyError(f"no request {rid!r} in this history (an unknown rid, or one older than the history)")
+    gaps = list(gaps)
+    # a gap stands where its first left-out event stood: a hold before it ends there
+    items: list[ev.Event | Gap] = sorted([*mine, *gaps], key=lambda e: e.iteration)
     lines: list[str] = []
     held_rounds: Counter[str] = Counter()
     admitted = False  # a ReqAdmitted while admitted is the next chunk of its prompt
     planned: dict[int, ev.BatchPlanned] = {}
-    recompute_ms, retracted = 0.0, False
-    for i, e in enumerate(mine):
-        until = mine[i + 1].iteration if i + 1 < len(mine) else None
+    recompute_ms, retracted = 0.0, False  # (a request's first retraction is always kept)
+    for i, e in enumerate(items):
+        until = items[i + 1].iteration if i + 1 < len(items) else None
+        if isinstance(e, Gap):
+            held_rounds.update(e.held_rounds)
+            lines.append(f"iterations {e.iteration}-{e.last_iteration}: {e.count} more {e.kind} events not kept "
+                         f"(the history keeps a request's first and last {KEPT_PER_KIND} of each kind)")
+            continue
         if isinstance(e, ev.BatchPlanned):
             planned[e.bid] = e
             continue
@@ -102,17 +234,27 @@ def explain(events: list[ev.Event], rid: str) -> str:
         else:
             lines.append(_describe(e, until, held_rounds))
         admitted = isinstance(e, (ev.ReqAdmitted, ev.ReqChunked)) or (admitted and not isinstance(e, ev.ReqRetracted))
+    lines += _summary_lines(mine, {g.kind for g in gaps}, retracted, recompute_ms, held_rounds)
+    return f"{rid}\n" + "\n".join("  " + ln for ln in lines)
+
+
+def _summary_lines(mine: list[ev.Event], gap_kinds: set[str], retracted: bool, recompute_ms: float,
+                   held_rounds: Counter[str]) -> list[str]:
+    """The totals after the request's lines; "of those kept" where a Gap left some out."""
+    lines = []
     matches = [e for e in mine if isinstance(e, ev.CacheMatched) and e.reason]
     if len(matches) > 1:
+        kept = " kept" if "CacheMatched" in gap_kinds else ""
         lines.append(f"the radix cache served {sum(e.matched_len for e in matches)} of "
-                     f"{sum(e.key_len for e in matches)} tokens over its {len(matches)} admissions")
+                     f"{sum(e.key_len for e in matches)} tokens over its {len(matches)} admissions{kept}")
     if retracted:
-        lines.append(f"recomputing what its retractions dropped took ~{recompute_ms:.1f} ms of prefill forwards "
-                     "(its rows' share)")
+        at_least = "at least " if "ForwardFinished" in gap_kinds else ""
+        lines.append(f"recomputing what its retractions dropped took {at_least}~{recompute_ms:.1f} ms of prefill "
+                     "forwards (its rows' share)")
     if held_rounds:
         parts = ", ".join(f"{b} {n}" for b, n in held_rounds.most_common())
         lines.append(f"held {sum(held_rounds.values())} rounds in all, by budget: {parts}")
-    return f"{rid}\n" + "\n".join("  " + ln for ln in lines)
+    return lines
 
 
 def _events_of(events: list[ev.Event], rid: str) -> list[ev.Event]:

@@ -84,7 +84,11 @@ def rerun(rec: Recording, overrides: dict[str, Any] | None = None, out_path: str
             while pending and pending[0] <= upcoming:
                 it = pending.pop(0)
                 for a in rec.arrivals.get(it, ()):
-                    engine.submit(input_ids=list(a.input_ids), sampling_params=dict(a.sampling_params), rid=a.rid)
+                    # only a keyed request passes extra_key, so unkeyed recordings rerun
+                    # on any Engine.submit, with or without that keyword
+                    salt = {} if a.extra_key is None else {"extra_key": a.extra_key}
+                    engine.submit(input_ids=list(a.input_ids), sampling_params=dict(a.sampling_params),
+                                  rid=a.rid, **salt)
                 for x in rec.aborts.get(it, ()):
                     engine.scheduler.send(AbortReq(x.rid, x.reason))
             engine.step()

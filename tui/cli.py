@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -16,7 +17,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--paused", action="store_true", help="start paused (n steps one iteration)")
     p.add_argument("--attach", metavar="URL", default=None,
                    help="show a running `sglite serve` (e.g. http://127.0.0.1:30000) instead of starting an engine; "
-                        "pause and step need the server's --enable-debug-control")
+                        "it needs the server's --enable-debug-events, and pause and step its --enable-debug-control")
+    p.add_argument("--api-key", default=None,
+                   help="with --attach: the server's --api-key (default: $SGLITE_API_KEY)")
     p.add_argument("--replay", metavar="RECORDING", default=None,
                    help="show a recording made with --record instead of running the engine "
                         "(n/→ next iteration, b/← back, space play)")
@@ -45,7 +48,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.replay:
         return _replay(args.replay, args.compare)
     if args.attach:
-        return _attach(args.attach)
+        return _attach(args.attach, args.api_key or os.environ.get("SGLITE_API_KEY") or None)
     import dataclasses
 
     from sglite.cli import check_engine_args
@@ -82,14 +85,14 @@ def _live(args: argparse.Namespace, kwargs: dict) -> int:
     return 0
 
 
-def _attach(url: str) -> int:
+def _attach(url: str, api_key: str | None) -> int:
     from tui.app import LiveFeed, SchedulerApp
     from tui.remote import RemoteConnection
 
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"--attach needs a URL like http://127.0.0.1:30000, got {url!r}")
     check_terminal()
-    connection = RemoteConnection(url)
+    connection = RemoteConnection(url, api_key)
     try:
         info = connection.wait_ready()
     except RuntimeError as e:

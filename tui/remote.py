@@ -5,7 +5,9 @@ wait_ready, close), so the same app and the same ViewBuilder draw a server's sch
 a thread reads the server's ``/debug/events`` stream (every iteration's events, the
 newest of each shipment with a SchedulerSnapshot) into the screen's queue; commands go
 over HTTP on another thread. Pause and step need a server started with
-``--enable-debug-control``; a prompt typed with ``a`` is a real client request
+``--enable-debug-control``, the event stream ``--enable-debug-events``, and a server
+started with ``--api-key`` the same key here (``sglite tui --attach URL --api-key KEY``,
+or SGLITE_API_KEY); a prompt typed with ``a`` is a real client request
 (``/v1/chat/completions``); the policy and workload keys act on an engine the screen
 owns, so attached they say that they do not apply.
 """
@@ -26,9 +28,10 @@ CONNECT_TIMEOUT = 10.0  # seconds to reach the server
 class RemoteConnection(HostConnection):
     """The commands queue is the connection's inbox; no worker of the screen's own."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, api_key: str | None = None):
         super().__init__(queue.Queue(), queue.Queue(), worker=None)
         self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._read_events, daemon=True, name="sglite-attach-events"),
                          threading.Thread(target=self._run_commands, daemon=True, name="sglite-attach-commands")]
@@ -41,7 +44,13 @@ class RemoteConnection(HostConnection):
         import httpx
 
         try:
-            info = httpx.get(f"{self.url}/get_server_info", timeout=timeout).json()
+            r = httpx.get(f"{self.url}/get_server_info", headers=self.headers, timeout=timeout)
+            if r.status_code == 401:
+                raise RuntimeError(f"{self.url} needs an API key: pass the server's with --api-key KEY "
+                                   "(or SGLITE_API_KEY)" if not self.headers else
+                                   f"{self.url} refused the API key given (--api-key / SGLITE_API_KEY)")
+            info = r.json()
+            self._check_event_stream(httpx, timeout)
         except (httpx.HTTPError, ValueError) as e:
             raise RuntimeError(f"no sglite server answers at {self.url} ({type(e).__name__})") from None
         if "internal_states" not in info:
@@ -51,6 +60,13 @@ class RemoteConnection(HostConnection):
         return {"model": info.get("model_path", "?"), "workload": f"attached to {self.url}",
                 "overlap": not info.get("disable_overlap_schedule", False),
                 "pool": info.get("max_total_num_tokens", 0), "policy": info.get("schedule_policy", "")}
+
+    def _check_event_stream(self, httpx: Any, timeout: float) -> None:
+        """The server streams its events only when started with --enable-debug-events."""
+        with httpx.stream("GET", f"{self.url}/debug/events", headers=self.headers, timeout=timeout) as r:
+            if r.status_code == 403:
+                raise RuntimeError(f"{self.url} does not show its scheduler's events: start it with "
+                                   "--enable-debug-events (they hold every client's prompts and outputs)")
 
     def close(self) -> None:
         self._stop.set()
@@ -62,7 +78,8 @@ class RemoteConnection(HostConnection):
         import httpx
 
         try:
-            with httpx.stream("GET", f"{self.url}/debug/events", timeout=httpx.Timeout(10.0, read=None)) as r:
+            with httpx.stream("GET", f"{self.url}/debug/events", headers=self.headers,
+                              timeout=httpx.Timeout(10.0, read=None)) as r:
                 for line in r.iter_lines():
                     if self._stop.is_set():
                         return
@@ -90,7 +107,7 @@ class RemoteConnection(HostConnection):
 
         kind = cmd[0]
         if kind in ("pause", "run", "step"):
-            r = httpx.post(f"{self.url}/debug/control", json={"cmd": kind}, timeout=30)
+            r = httpx.post(f"{self.url}/debug/control", json={"cmd": kind}, headers=self.headers, timeout=30)
             if r.status_code != 200:
                 self.outbox.put(("log", f"[yellow]{kind}: {r.json()['error']['message']}[/]"))
                 self.outbox.put(("paused", False))  # the server runs on: the screen must not say paused
@@ -109,6 +126,6 @@ class RemoteConnection(HostConnection):
         body = {"messages": kwargs["messages"], "max_tokens": params.get("max_new_tokens", 64),
                 "temperature": params.get("temperature", 0)}
         self.outbox.put(("log", "submitted a prompt to the server"))
-        r = httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=None)
+        r = httpx.post(f"{self.url}/v1/chat/completions", json=body, headers=self.headers, timeout=None)
         if r.status_code != 200:
             self.outbox.put(("log", f"[red]error[/] {r.json().get('message', r.text)}"))

@@ -7,7 +7,9 @@ Errors are SGLang's shapes: a bad request is a 400 with ``{"error": {"message"}}
 /generate and OpenAI's ``{"object": "error", "message", "type", "param", "code"}`` on
 /v1/*; FastAPI's 422 is remapped to 400; inside a stream an error is a ``data:`` event.
 A streamed request whose client goes away is aborted (its KV freed at once); a
-non-streamed one is aborted when the client disconnects while it waits.
+non-streamed one is aborted when the client disconnects while it waits. What a request
+passes before a route sees it (Host, Origin, API key, media type, body size) is
+http_security.py's.
 """
 
 from __future__ import annotations
@@ -27,11 +29,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from sglite.entrypoints import openai_api as oai
-from sglite.managers.io_struct import DebugControlReq, ExplainReq, FlushCacheReqInput, GetInternalStateReq
-from sglite.managers.tokenizer_manager import RequestError, ServerReqState, ServerTokenizerManager
+from sglite.entrypoints import protocol
+from sglite.entrypoints.http_security import HttpGuard, SecurityPolicy, parse_json, start_json_worker
+from sglite.managers.io_struct import (HEALTH_CHECK_RID_PREFIX, DebugControlReq, ExplainReq, FlushCacheReqInput,
+                                       GetInternalStateReq)
+from sglite.managers.tokenizer_manager import Claim, ReqSpec, RequestError, ServerReqState, ServerTokenizerManager
 from sglite.server_args import ServerArgs
 
-MAX_BATCH = 1024  # requests in one /generate batch
+MAX_BATCH = oai.MAX_BATCH  # requests in one body: a /generate batch, or prompts x n of an OpenAI request
 DISCONNECT_POLL = 0.5  # seconds between checks that a waiting non-streamed client is still there
 
 
@@ -45,7 +50,12 @@ class ServerInfo:
     http_spans: Any = None  # the tracing plugin's HttpSpans: one SERVER span per generation request
     events_address: str = ""  # the scheduler's event stream (ZMQ), for /debug/events
     debug_control: bool = False  # /debug/control may pause and step the scheduler
+    debug_events: bool = False  # /debug/events may stream every request's prompt and output
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))  # /v1/models' "created": the start
+    # SGLang's ServerStatus: "starting" until a first health probe passed, then "up";
+    # "shutting_down" once the server stops. /health answers 503 unless "up".
+    status: str = "starting"
+    health_check_timeout: float = 20.0  # seconds a health probe may wait (SGLANG_HEALTH_CHECK_TIMEOUT)
 
 
 TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
@@ -68,15 +78,19 @@ async def _traced(request: Request, info: ServerInfo, handler: Callable[[str], A
     return response
 
 
-def build_app(manager: ServerTokenizerManager, info: ServerInfo) -> FastAPI:
+def build_app(manager: ServerTokenizerManager, info: ServerInfo, policy: SecurityPolicy | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(manager.handle_loop())
+        tasks = [asyncio.create_task(manager.handle_loop()), asyncio.create_task(_warm_up(manager, info))]
         yield
-        task.cancel()
+        for task in tasks:
+            task.cancel()
+        if getattr(app.state, "json_pool", None) is not None:
+            app.state.json_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="sglite", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.manager, app.state.info = manager, info
+    app.add_middleware(HttpGuard, policy=policy or SecurityPolicy())
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -99,23 +113,82 @@ def build_app(manager: ServerTokenizerManager, info: ServerInfo) -> FastAPI:
     _native_routes(app, manager, info)
     _openai_routes(app, manager, info)
     _debug_routes(app, manager, info)
+    _describe_bodies(app)
     return app
 
 
-def _bad(request: Request, message: str, param: str | None = None, code: int = 400) -> JSONResponse:
+def _describe_bodies(app: FastAPI) -> None:
+    """/openapi.json with the request bodies' models (protocol.py): the routes read raw
+    JSON, so FastAPI cannot see them itself."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(protocol.component_schemas())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _bad(request: Request, message: str, param: str | None = None, code: int = 400) -> Response:
     if request.url.path.startswith("/v1/"):
-        return JSONResponse(oai.error_body(message, param, code), status_code=code)
-    return JSONResponse({"error": {"message": message}}, status_code=code)
+        return _ascii_json(oai.error_body(message, param, code), code)
+    return _ascii_json({"error": {"message": message}}, code)
+
+
+def _ascii_json(content: Any, status: int) -> Response:
+    """JSON with every non-ASCII character escaped: an error may quote what a client
+    sent, and a lone surrogate there could not be encoded as UTF-8."""
+    return Response(json.dumps(content), status_code=status, media_type="application/json")
+
+
+# Bodies up to this size are parsed on the event loop (under ~20 ms); bigger ones in a
+# worker process, since the parser holds the GIL throughout: 30 MB of token ids took
+# 0.6 s, every other client waiting (benchmarks/server_guard.py).
+INLINE_JSON_BYTES = 1 << 20
 
 
 async def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"the body is not JSON: {e}") from None
+    """The body as a JSON object (HttpGuard has checked its media type and size)."""
+    raw = await request.body()
+    status, body = parse_json(raw) if len(raw) <= INLINE_JSON_BYTES else await _parse_off_loop(request.app, raw)
+    if status == "error":
+        raise RequestError(body)
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
     return body
+
+
+async def _parse_off_loop(app: FastAPI, raw: bytes) -> tuple[str, Any]:
+    from concurrent.futures.process import BrokenProcessPool
+
+    try:
+        return await asyncio.get_running_loop().run_in_executor(_json_pool(app), parse_json, raw)
+    except BrokenProcessPool:  # the worker died (killed, out of memory): a new one next time
+        app.state.json_pool = None
+        return parse_json(raw)
+
+
+def _json_pool(app: FastAPI) -> Any:
+    """The app's JSON-parsing worker process (started on first use, stopped with the app)."""
+    if getattr(app.state, "json_pool", None) is None:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        app.state.json_pool = ProcessPoolExecutor(1, multiprocessing.get_context("spawn"), initializer=start_json_worker)
+    return app.state.json_pool
+
+
+def _flag(body: dict[str, Any], name: str) -> bool:
+    """A boolean field: true, false or absent/null (false). "false", 0 or "no" are not
+    booleans: refusing them is safer than guessing ({"abort_all": "no"} once aborted all)."""
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be true or false, got {json.dumps(value)[:80]}")
+    return value
 
 
 # --- native routes -------------------------------------------------------------------
@@ -123,17 +196,14 @@ async def _json(request: Request) -> dict[str, Any]:
 
 def _native_routes(app: FastAPI, manager: ServerTokenizerManager, info: ServerInfo) -> None:
     @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200)
-
     @app.get("/health_generate")
-    async def health_generate() -> Response:
-        req = manager.check(f"health-{uuid.uuid4().hex}", input_ids=[0], sampling_params={"max_new_tokens": 1})
-        try:
-            await asyncio.wait_for(_collect(manager, req), timeout=60)
-        except asyncio.TimeoutError:
-            return Response(status_code=503)
-        return Response(status_code=200)
+    async def health() -> Response:
+        """SGLang's health_generate (both routes): 200 once the scheduler answered a
+        one-token probe, or was producing tokens anyway; 503 while starting or shutting
+        down, when the probe was aborted, or after health_check_timeout seconds."""
+        if info.status != "up":
+            return Response(f"the server is {info.status.replace('_', ' ')}\n", status_code=503)
+        return Response(status_code=200 if await _probe(manager, info.health_check_timeout) else 503)
 
     @app.get("/get_model_info")
     @app.get("/model_info")
@@ -158,15 +228,14 @@ def _native_routes(app: FastAPI, manager: ServerTokenizerManager, info: ServerIn
         return Response(out.text + "\n", media_type="text/plain")
 
     @app.post("/flush_cache")
-    @app.get("/flush_cache")
     async def flush_cache() -> Response:
         out = await manager.control(FlushCacheReqInput())
         return Response(out.message or "Cache flushed.\n", status_code=200 if out.success else 400)
 
-    @app.post("/abort_request")
+    @app.post("/abort_request", openapi_extra=protocol.body(protocol.AbortReqInput))
     async def abort_request(request: Request) -> Response:
         body = await _json(request)
-        if body.get("abort_all"):
+        if _flag(body, "abort_all"):
             manager.abort_all()
         elif isinstance(body.get("rid"), str):
             manager.abort_request(body["rid"])
@@ -174,36 +243,35 @@ def _native_routes(app: FastAPI, manager: ServerTokenizerManager, info: ServerIn
             raise RequestError('give {"rid": "..."} or {"abort_all": true}')
         return Response(status_code=200)
 
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=protocol.body(protocol.GenerateReqInput))
     async def generate(request: Request) -> Response:
         return await _traced(request, info, lambda parent: _generate(request, manager, parent))
 
 
 async def _generate(request: Request, manager: ServerTokenizerManager, trace_parent: str) -> Response:
-    """SGLang's /generate: {"text" | "input_ids", "sampling_params", "rid", "stream"}; a
-    list of texts (or of token-id lists) is a batch: one result each, in order (streamed:
-    each event carries its request's "index")."""
+    """SGLang's /generate: {"text" | "input_ids", "sampling_params", "rid", "stream",
+    "extra_key" | "cache_salt"}; a list of texts (or of token-id lists) is a batch: one
+    result each, in order (streamed: each event carries its request's "index")."""
     body = await _json(request)
-    unknown = set(body) - {"text", "input_ids", "sampling_params", "rid", "stream"}
+    unknown = set(body) - GENERATE_FIELDS
     if unknown:
-        raise RequestError(f"unknown field(s): {', '.join(sorted(unknown))}")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError("stream must be true or false")
+        raise RequestError(f"unknown field(s): {', '.join(sorted(map(repr, unknown)))}")
+    stream = _flag(body, "stream")
     batch = _is_batch(body)
-    reqs = []
-    for i, (rid, text, ids, params) in enumerate(_batch_items(body, batch)):
-        try:  # (nothing is sent before every request of a batch passed)
-            reqs.append(manager.check(rid, prompt=text, input_ids=ids, sampling_params=params, stream=stream,
-                                      trace_parent=trace_parent))
-        except RequestError as e:
-            raise RequestError(f"request {i} of the batch: {e}" if batch else str(e)) from None
+    specs = _batch_items(body, batch, stream, oai.extra_key_of(body))
+    claim = await manager.submit(specs, trace_parent, batch)  # (nothing is sent before every request passed)
     if stream:
-        events = _native_batch_stream(manager, reqs) if batch else _native_stream(manager, reqs[0])
-        return StreamingResponse(events, media_type="text/event-stream")
-    states = await asyncio.gather(*(_collect(manager, r, request) for r in reqs))
+        events = _native_batch_stream(manager, claim) if batch else _native_stream(manager, claim)
+        return StreamingResponse(ClaimedStream(events, claim), media_type="text/event-stream")
+    try:
+        states = await _collect_all(manager, claim, request)
+    finally:
+        claim.release()
     results = [_native_result(s) for s in states]
     return JSONResponse(results if batch else results[0])
+
+
+GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "stream", "extra_key", "cache_salt"}
 
 
 def _is_batch(body: dict[str, Any]) -> bool:
@@ -212,31 +280,28 @@ def _is_batch(body: dict[str, Any]) -> bool:
     return isinstance(body.get("text"), list) or (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list))
 
 
-def _batch_items(body: dict[str, Any], batch: bool) -> list[tuple[str, Any, Any, Any]]:
-    """(rid, text, input_ids, sampling_params) of each request the body asks for. In a
-    batch, ``sampling_params`` is one dict for all or a list of one each, and ``rid``
-    (optional) a list of one each."""
+def _batch_items(body: dict[str, Any], batch: bool, stream: bool, extra_key: str | None) -> list[ReqSpec]:
+    """Each request the body asks for. In a batch, ``sampling_params`` is one dict for
+    all or a list of one each, and ``rid`` (optional) a list of one each."""
     rid, params = body.get("rid"), body.get("sampling_params")
+    if body.get("text") is not None and body.get("input_ids") is not None:
+        raise RequestError("give only one of text or input_ids (got both)")
     if not batch:
-        rid = rid or uuid.uuid4().hex
-        if not isinstance(rid, str):
-            raise RequestError("rid must be a string")
-        return [(rid, body.get("text"), body.get("input_ids"), params)]
+        rid = uuid.uuid4().hex if rid is None else rid
+        return [ReqSpec(rid, body.get("text"), body.get("input_ids"), None, params, stream, extra_key)]
     field = "text" if body.get("text") is not None else "input_ids"
     prompts = body[field]
     n = len(prompts)
     if not n or n > MAX_BATCH:
         raise RequestError(f"a batch holds 1 to {MAX_BATCH} requests, got {n}")
     rids = [uuid.uuid4().hex for _ in range(n)] if rid is None else rid
-    if not isinstance(rids, list) or len(rids) != n or not all(isinstance(r, str) for r in rids):
+    if not isinstance(rids, list) or len(rids) != n:
         raise RequestError(f"rid must be a list of {n} strings for a batch of {n}")
-    if len(set(rids)) != n:
-        raise RequestError("the rids of a batch must differ")
     if isinstance(params, list) and len(params) != n:
         raise RequestError(f"sampling_params must be one dict, or a list of {n}, for a batch of {n}")
     each = params if isinstance(params, list) else [params] * n
-    return [(r, p if field == "text" else None, p if field == "input_ids" else None, sp)
-            for r, p, sp in zip(rids, prompts, each)]
+    return [ReqSpec(r, p if field == "text" else None, p if field == "input_ids" else None, None, sp, stream,
+                    extra_key) for r, p, sp in zip(rids, prompts, each)]
 
 
 def _native_result(state: ServerReqState) -> dict[str, Any]:
@@ -247,64 +312,125 @@ def _native_result(state: ServerReqState) -> dict[str, Any]:
     return out
 
 
-async def _native_stream(manager: ServerTokenizerManager, req: Any) -> AsyncIterator[bytes]:
+class ClaimedStream:
+    """A streamed response's body: the events of ``events``; whenever it ends, is
+    closed, or is dropped unread (a client gone before the first event), its requests'
+    claim is released: those unfinished are aborted and their rids freed."""
+
+    def __init__(self, events: AsyncIterator[bytes], claim: Claim):
+        self.events, self.claim = events, claim
+
+    def __aiter__(self) -> "ClaimedStream":
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self.events.__anext__()
+        except BaseException:
+            self.claim.release()
+            raise
+
+    async def aclose(self) -> None:
+        self.claim.release()
+        await self.events.aclose()  # type: ignore[attr-defined]
+
+
+async def _native_stream(manager: ServerTokenizerManager, claim: Claim) -> AsyncIterator[bytes]:
     """Cumulative text per event, as SGLang streams it, then [DONE]."""
-    async for state in manager.generate_request(req):
+    async for state in manager.results(claim.states[0]):
         yield f"data: {json.dumps(_native_result(state))}\n\n".encode()
     yield b"data: [DONE]\n\n"
 
 
-async def _native_batch_stream(manager: ServerTokenizerManager, reqs: list[Any]) -> AsyncIterator[bytes]:
+async def _native_batch_stream(manager: ServerTokenizerManager, claim: Claim) -> AsyncIterator[bytes]:
     """A batch: each request's cumulative result as it comes, with its "index", then [DONE]."""
-    async with contextlib.aclosing(_merge(manager, reqs, lambda i, s: _native_result(s) | {"index": i})) as events:
+    async with contextlib.aclosing(_merge(manager, claim, lambda i, s: _native_result(s) | {"index": i})) as events:
         async for _, event, _ in events:
             yield f"data: {json.dumps(event)}\n\n".encode()
     yield b"data: [DONE]\n\n"
 
 
-async def _merge(manager: ServerTokenizerManager, reqs: list[Any], snap: Callable[[int, ServerReqState], Any]
+async def _merge(manager: ServerTokenizerManager, claim: Claim, snap: Callable[[int, ServerReqState], Any]
                  ) -> AsyncIterator[tuple[int, Any, dict[str, Any] | None]]:
     """Several requests' progress as it comes: (index, ``snap(index, state)`` taken when
     the state came, its meta_info once that request finished, else None), until every
-    request finished. Closing it early aborts those still running."""
+    request finished. Closing it early releases the claim (aborting those unfinished)."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, req: Any) -> None:
-        async for state in manager.generate_request(req):
-            await queue.put((index, snap(index, state), state.meta_info if state.finished else None))
+    async def pump(index: int, state: ServerReqState) -> None:
+        async for st in manager.results(state):
+            await queue.put((index, snap(index, st), st.meta_info if st.finished else None))
 
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+    tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(claim.states)]
     try:
         done = 0
-        while done < len(reqs):
+        while done < len(tasks):
             item = await queue.get()
             done += item[2] is not None
             yield item
     finally:
         for t in tasks:
-            t.cancel()  # a client that went away: each request's generator aborts it
+            t.cancel()
+        claim.release()
 
 
-async def _collect(manager: ServerTokenizerManager, req: Any, request: Request | None = None) -> ServerReqState:
-    """Run a request to the end. A client that disconnects while it waits gets its
-    request aborted (the scheduler frees its KV and answers with an abort)."""
-    watcher = asyncio.create_task(_abort_on_disconnect(manager, req.rid, request)) if request is not None else None
+async def _collect_all(manager: ServerTokenizerManager, claim: Claim, request: Request) -> list[ServerReqState]:
+    """Run every request of the claim to its end. A client that disconnects while it
+    waits gets them aborted (the scheduler frees their KV and answers with an abort)."""
+    watcher = asyncio.create_task(_abort_on_disconnect(manager, claim, request))
     try:
-        async for state in manager.generate_request(req):
-            if state.finished:
-                return state
-        raise AssertionError("a request's outputs ended before it finished")
+        for state in claim.states:
+            async for _ in manager.results(state):
+                pass
+        return claim.states
     finally:
-        if watcher is not None:
-            watcher.cancel()
+        watcher.cancel()
 
 
-async def _abort_on_disconnect(manager: ServerTokenizerManager, rid: str, request: Request) -> None:
+async def _abort_on_disconnect(manager: ServerTokenizerManager, claim: Claim, request: Request) -> None:
     while True:
         await asyncio.sleep(DISCONNECT_POLL)
         if await request.is_disconnected():
-            manager.abort_request(rid)
+            for state in claim.states:
+                if not state.finished:
+                    manager.abort_request(state.rid)
             return
+
+
+# --- health ----------------------------------------------------------------------------
+
+
+async def _probe(manager: ServerTokenizerManager, timeout: float) -> bool:
+    """SGLang's health check: a one-token request the scheduler must answer within
+    ``timeout`` seconds. A busy scheduler answers it at once without running it; tokens
+    of any other request arriving meanwhile pass it too (the scheduler is producing
+    output). An aborted probe fails."""
+    tic = time.monotonic()
+    spec = ReqSpec(f"{HEALTH_CHECK_RID_PREFIX}{time.time_ns()}", input_ids=[0],
+                   sampling_params={"max_new_tokens": 1, "temperature": 0})
+    claim = await manager.submit([spec])
+    state = claim.states[0]
+    try:
+        while time.monotonic() - tic < timeout:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(state.event.wait(), timeout=min(0.5, timeout))
+            if state.finished:
+                return (state.meta_info.get("finish_reason") or {}).get("type") != "abort"
+            if manager.last_output_tstamp > tic:
+                return True
+        return False
+    finally:
+        claim.release()
+
+
+async def _warm_up(manager: ServerTokenizerManager, info: ServerInfo) -> None:
+    """The server is up once a first probe passed (SGLang's warmup); until then /health
+    answers 503."""
+    while info.status == "starting":
+        if await _probe(manager, info.health_check_timeout):
+            info.status = "up"
+        else:
+            await asyncio.sleep(1.0)
 
 
 # --- debug routes (sglite tui --attach) ----------------------------------------------
@@ -312,19 +438,24 @@ async def _abort_on_disconnect(manager: ServerTokenizerManager, rid: str, reques
 
 def _debug_routes(app: FastAPI, manager: ServerTokenizerManager, info: ServerInfo) -> None:
     @app.get("/debug/events")
-    async def debug_events() -> StreamingResponse:
+    async def debug_events() -> Response:
         """The scheduler's events as server-sent events, one JSON list per shipment
-        (every iteration's events; the newest of each with a SchedulerSnapshot)."""
+        (every iteration's events; the newest of each with a SchedulerSnapshot). They
+        hold every request's prompt ids and output text: off unless the server was
+        started with --enable-debug-events (and behind --api-key when one is set)."""
+        if not info.debug_events:
+            return JSONResponse({"error": {"message": "the event stream shows every client's prompts and outputs: "
+                                                      "start the server with --enable-debug-events to allow it"}}, 403)
         return StreamingResponse(_event_stream(info.events_address), media_type="text/event-stream")
 
-    @app.post("/debug/control")
+    @app.post("/debug/control", openapi_extra=protocol.body(protocol.DebugControlInput))
     async def debug_control(request: Request) -> Response:
         if not info.debug_control:
             return JSONResponse({"error": {"message": "pause and step need the server to be started with "
                                                       "--enable-debug-control"}}, 403)
         cmd = (await _json(request)).get("cmd")
         if cmd not in ("pause", "run", "step", "status"):
-            raise RequestError(f'cmd must be "pause", "run", "step" or "status", got {cmd!r}')
+            raise RequestError(f'cmd must be "pause", "run", "step" or "status", got {json.dumps(cmd)[:80]}')
         out = await manager.control(DebugControlReq(cmd))
         return JSONResponse({"paused": out.paused, "iteration": out.iteration})
 
@@ -364,11 +495,11 @@ def _openai_routes(app: FastAPI, manager: ServerTokenizerManager, info: ServerIn
                                                "NotFoundError") | {"code": "model_not_found"}, 404)
         return model_card()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=protocol.body(protocol.CompletionRequest))
     async def completions(request: Request) -> Response:
         return await _traced(request, info, lambda parent: _openai(request, manager, info, False, parent))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=protocol.body(protocol.ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await _traced(request, info, lambda parent: _openai(request, manager, info, True, parent))
 
@@ -381,25 +512,31 @@ async def _openai(request: Request, manager: ServerTokenizerManager, info: Serve
                   trace_parent: str) -> Response:
     body = await _json(request)
     params, n = oai.sampling_params(body, chat)
+    stream, include_usage = oai.stream_options(body)
     inputs = [{"messages": body.get("messages")}] if chat else oai.prompts_of(body)
-    rid = oai.new_id("chatcmpl" if chat else "cmpl")
-    reqs = [manager.check(f"{rid}-{i}-{k}", **inp, sampling_params=params, stream=bool(body.get("stream")),
-                          trace_parent=trace_parent)
-            for i, inp in enumerate(inputs) for k in range(n)]
-    if body.get("stream"):
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(_openai_stream(manager, reqs, rid, info.model_name, chat, include_usage),
-                                 media_type="text/event-stream")
-    states = await asyncio.gather(*(_collect(manager, r, request) for r in reqs))
+    if len(inputs) * n > MAX_BATCH:
+        raise oai.OpenAIError(f"{len(inputs)} prompts x n={n} make {len(inputs) * n} requests; at most {MAX_BATCH} "
+                              "in one body", "n" if n > 1 else "prompt")
+    rid, extra_key = oai.new_id("chatcmpl" if chat else "cmpl"), oai.extra_key_of(body)
+    specs = [ReqSpec(f"{rid}-{i}-{k}", inp.get("prompt"), inp.get("input_ids"), inp.get("messages"), params, stream,
+                     extra_key) for i, inp in enumerate(inputs) for k in range(n)]
+    claim = await manager.submit(specs, trace_parent)
+    if stream:
+        events = _openai_stream(manager, claim, rid, info.model_name, chat, include_usage)
+        return StreamingResponse(ClaimedStream(events, claim), media_type="text/event-stream")
+    try:
+        states = await _collect_all(manager, claim, request)
+    finally:
+        claim.release()
     errors = [s.meta_info["error"] for s in states if "error" in s.meta_info]
     if errors:  # (a round that failed inside the scheduler)
-        return JSONResponse(oai.error_body(errors[0], code=500, kind="InternalServerError"), 500)
+        return _ascii_json(oai.error_body(errors[0], code=500, kind="InternalServerError"), 500)
     texts, metas = [s.text for s in states], [s.meta_info for s in states]
     shape = oai.chat_response if chat else oai.completion_response
     return JSONResponse(shape(rid, info.model_name, texts, metas))
 
 
-async def _openai_stream(manager: ServerTokenizerManager, reqs: list[Any], rid: str, model: str, chat: bool,
+async def _openai_stream(manager: ServerTokenizerManager, claim: Claim, rid: str, model: str, chat: bool,
                          include_usage: bool) -> AsyncIterator[bytes]:
     """Deltas of every choice as they come, each choice's finish_reason, then usage
     (when asked) and [DONE]. Leaving early aborts every choice still running."""
@@ -414,7 +551,7 @@ async def _openai_stream(manager: ServerTokenizerManager, reqs: list[Any], rid: 
         return oai.stream_chunk(rid, model, chat, index, text, reason, first)
 
     metas: list[dict[str, Any]] = []
-    async with contextlib.aclosing(_merge(manager, reqs, chunk)) as events:
+    async with contextlib.aclosing(_merge(manager, claim, chunk)) as events:
         async for _, event, meta in events:
             yield f"data: {json.dumps(event)}\n\n".encode()
             if meta is not None:

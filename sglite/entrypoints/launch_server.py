@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
 import logging
 import multiprocessing
 import os
@@ -33,23 +34,36 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterator
 
+from sglite.entrypoints.http_security import DEFAULT_MAX_BODY_SIZE, SecurityPolicy
 from sglite.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger("sglite")
 READY_TIMEOUT = 1800.0  # seconds the scheduler may take to load (a first run downloads and converts)
 WATCHDOG_INTERVAL = 1.0  # seconds between checks that the children are alive
 GRACEFUL_SHUTDOWN = 5.0  # seconds uvicorn waits for the requests in flight when the server stops
+DEFAULT_HEALTH_CHECK_TIMEOUT = 20.0  # seconds a health probe may wait for the scheduler (SGLang's default)
 
 
 @dataclass
 class ServeArgs:
-    """The HTTP side's options (SGLang keeps them in ServerArgs)."""
+    """The HTTP side's options (SGLang keeps them in ServerArgs). docs/serving.md,
+    "Security", says what each of the last five guards against."""
 
     host: str = "127.0.0.1"
     port: int = 30000
     enable_metrics: bool = False
     served_model_name: str | None = None
     enable_debug_control: bool = False  # /debug/control may pause and step the scheduler
+    api_key: str | None = None  # every route but /health* (and /metrics) needs "Authorization: Bearer KEY"
+    enable_debug_events: bool = False  # /debug/events may stream every request's prompt and output
+    max_body_size: int = DEFAULT_MAX_BODY_SIZE  # bytes; a larger request body is a 413
+    allowed_hosts: tuple[str, ...] = ()  # Host / Origin names accepted besides IPs and localhost ("*": any)
+    metrics_require_api_key: bool = False  # /metrics needs the key too
+    health_check_timeout: float = DEFAULT_HEALTH_CHECK_TIMEOUT  # seconds (SGLANG_HEALTH_CHECK_TIMEOUT)
+
+    def security_policy(self) -> SecurityPolicy:
+        return SecurityPolicy(self.api_key or None, self.host.lower(), frozenset(h.lower() for h in self.allowed_hosts),
+                              self.max_body_size, self.metrics_require_api_key)
 
 
 class ServerStartError(RuntimeError):
@@ -62,7 +76,10 @@ def launch_server(server_args: ServerArgs, serve_args: ServeArgs, viewer_args: A
     in the scheduler's process (and, for tracing, the HTTP side)."""
     if server_args.node_rank > 0:
         return _serve_other_node(server_args)
+    _remove_stale_folders()
     folder = tempfile.mkdtemp(prefix="sglite-serve-")
+    with open(os.path.join(folder, "pid"), "w") as f:
+        f.write(str(os.getpid()))  # (a later server removes the folder if this process died without doing so)
     if serve_args.enable_metrics:  # before prometheus_client is imported in any process
         os.makedirs(f"{folder}/metrics")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = f"{folder}/metrics"
@@ -99,13 +116,19 @@ def _serve(server_args: ServerArgs, serve_args: ServeArgs, port_args: PortArgs, 
     manager = ServerTokenizerManager(gate, port_args, metrics)
     http_spans, close_tracer = _http_spans(viewer_args, model_name)
     info = ServerInfo(server_args, model_name, ready["max_total_num_tokens"], ready["max_req_input_len"],
-                      serve_args.enable_metrics, http_spans, port_args.events_ipc_name, serve_args.enable_debug_control)
-    app = build_app(manager, info)
+                      serve_args.enable_metrics, http_spans, port_args.events_ipc_name, serve_args.enable_debug_control,
+                      serve_args.enable_debug_events, health_check_timeout=serve_args.health_check_timeout)
+    app = build_app(manager, info, serve_args.security_policy())
     config = uvicorn.Config(app, host=serve_args.host, port=serve_args.port, log_level="warning",
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN)
     server = _Server(config)
     # requests in flight finish within 3 s, or end as aborted 2 s before uvicorn would cancel them
-    server.drain = lambda: manager.drain(GRACEFUL_SHUTDOWN - 2)
+
+    async def drain() -> None:
+        info.status = "shutting_down"  # /health answers 503 from now on
+        await manager.drain(GRACEFUL_SHUTDOWN - 2)
+
+    server.drain = drain
 
     async def main() -> None:
         watchdog = asyncio.create_task(_watchdog(children, server))
@@ -121,6 +144,41 @@ def _serve(server_args: ServerArgs, serve_args: ServeArgs, port_args: PortArgs, 
     finally:
         close_tracer()
     return 1 if getattr(server, "sglite_child_died", False) else 0
+
+
+def health_check_timeout() -> float:
+    """SGLANG_HEALTH_CHECK_TIMEOUT (seconds, SGLang's variable), default 20."""
+    text = os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "")
+    try:
+        value = float(text) if text else DEFAULT_HEALTH_CHECK_TIMEOUT
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise ValueError(f"SGLANG_HEALTH_CHECK_TIMEOUT must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _remove_stale_folders() -> None:
+    """Remove the IPC folders of servers that died without removing them (kill -9): a
+    folder whose recorded process is gone. One without a pid file is left alone."""
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), "sglite-serve-*")):
+        try:
+            with open(os.path.join(folder, "pid")) as f:
+                pid = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if pid != os.getpid() and not _alive(pid):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _http_spans(viewer_args: Any, model_name: str) -> tuple[Any, Callable[[], None]]:

@@ -8,6 +8,7 @@ never silently ignored.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -20,13 +21,15 @@ SAMPLING_KEYS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_n
                  "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
                  "stop_token_ids": "stop_token_ids"}
 IGNORED_KEYS = {"model", "stream", "stream_options", "n", "user", "prompt", "messages", "logit_bias",
-                "response_format", "parallel_tool_calls", "service_tier", "store", "metadata"}
+                "response_format", "parallel_tool_calls", "service_tier", "store", "metadata",
+                "cache_salt", "extra_key"}  # (the last two: extra_key_of)
 UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
                "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
                "functions": (None, []), "function_call": (None, "none")}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 NO_LIMIT = 1 << 30  # a chat's max_new_tokens when none is given (the scheduler caps it at max_req_len)
 MAX_N = 16
+MAX_BATCH = 1024  # requests one body may make: a /generate batch, or prompts x n here
 
 
 class OpenAIError(ValueError):
@@ -63,6 +66,38 @@ def sampling_params(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], i
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
         raise OpenAIError(f"n must be an integer from 1 to {MAX_N}, got {n!r}", "n")
     return params, n
+
+
+def stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage): JSON booleans or null, nothing else."""
+    stream = _bool(body.get("stream"), "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise OpenAIError(f"stream_options must be an object, got {_json_short(options)}", "stream_options")
+    return stream, _bool((options or {}).get("include_usage"), "stream_options.include_usage")
+
+
+def extra_key_of(body: dict[str, Any]) -> str | None:
+    """The request's cache key: vLLM's ``cache_salt``, SGLang's ``extra_key``, or both
+    joined (SGLang's ``_compute_extra_key``); requests share cached prefixes only with
+    requests of the same key. The gate checks what it is."""
+    parts = [body.get(k) for k in ("cache_salt", "extra_key") if body.get(k) is not None]
+    if len(parts) == 2 and all(isinstance(p, str) for p in parts):
+        return parts[0] + parts[1]
+    return parts[0] if parts else None
+
+
+def _bool(value: Any, name: str) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise OpenAIError(f"{name} must be true or false, got {_json_short(value)}", name)
+    return value
+
+
+def _json_short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def finish_reason(meta: dict[str, Any]) -> str | None:
@@ -113,12 +148,22 @@ def stream_chunk(rid: str, model: str, chat: bool, index: int, text: str | None,
 
 
 def prompts_of(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """/v1/completions' ``prompt``: a string, a list of token ids, or a list of either."""
+    """/v1/completions' ``prompt``, in OpenAI's four forms: a string, a list of token
+    ids, a list of strings, or a list of token-id lists. Decided by the first item; the
+    gate checks each id (off the event loop when there are many)."""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return [{"prompt": prompt}]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return [{"input_ids": prompt}]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        return [p for item in prompt for p in prompts_of({"prompt": item})]
-    raise OpenAIError("prompt must be a string, a list of token ids, or a non-empty list of those", "prompt")
+    if isinstance(prompt, list) and prompt:
+        if _is_int(prompt[0]):
+            return [{"input_ids": prompt}]
+        if all(isinstance(p, str) for p in prompt):
+            return [{"prompt": p} for p in prompt]
+        if all(isinstance(p, list) for p in prompt):
+            return [{"input_ids": p} for p in prompt]
+    raise OpenAIError("prompt must be a string, a list of token ids, or a non-empty list of strings or of token-id "
+                      "lists", "prompt")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -8,6 +8,10 @@ from typing import Any
 
 from sglite.sampling.sampling_params import SamplingParams
 
+# rids of the server's health probes (SGLang's prefix): a busy scheduler answers one at
+# once instead of running it, since producing tokens already shows it is alive
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK_"
+
 
 @dataclass
 class TokenizedGenerateReqInput:
@@ -18,6 +22,9 @@ class TokenizedGenerateReqInput:
     stream: bool = False
     error: str | None = None  # set when the request was rejected before tokenizing
     trace_parent: str = ""  # W3C traceparent of the HTTP request's span: its trace continues here
+    # SGLang's extra_key (OpenAI's cache_salt): requests share cached prefixes only with
+    # requests of the same key (None: the unsalted tree every plain request shares)
+    extra_key: str | None = None
 
 
 @dataclass

@@ -14,9 +14,9 @@ from typing import Callable, Iterator
 
 from sglite import events as ev
 from sglite.distributed.parallel_state import TpRankDiedError
-from sglite.managers.io_struct import (AbortReq, BatchTokenIDOut, ExplainReq, ExplainReqOutput, FlushCacheReqInput,
-                                      FlushCacheReqOutput, GetInternalStateReq, GetInternalStateReqOutput,
-                                      TokenizedGenerateReqInput)
+from sglite.managers.io_struct import (HEALTH_CHECK_RID_PREFIX, AbortReq, BatchTokenIDOut, ExplainReq,
+                                      ExplainReqOutput, FlushCacheReqInput, FlushCacheReqOutput, GetInternalStateReq,
+                                      GetInternalStateReqOutput, TokenizedGenerateReqInput)
 from sglite.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from sglite.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy, holds_of_round
 from sglite.managers.scheduler_observer import SchedulerObserver
@@ -201,17 +201,17 @@ class Scheduler:
                 self.send_to_tokenizer(GetInternalStateReqOutput(self.observer.internal_state()))
             elif isinstance(item, ExplainReq):
                 self.send_to_tokenizer(self.observer.explain(item.rid))
+            elif item.rid.startswith(HEALTH_CHECK_RID_PREFIX) and self.has_work():
+                self.output_processor.send_health_check_passed(item.rid)  # (SGLang skips it too)
             else:
                 self.handle_generate_request(item)
 
-    def flush_cache(self, force: bool = False) -> FlushCacheReqOutput:
+    def flush_cache(self) -> FlushCacheReqOutput:
         """Empty the radix cache and give every KV slot back; only when nothing runs
-        (SGLang refuses too: running requests hold tree nodes). ``force``: a failed
-        round's recovery, which has just taken every slot back from its requests."""
-        if not force and self.live_reqs():
+        (SGLang refuses too: running requests hold tree nodes)."""
+        if self.live_reqs():
             return FlushCacheReqOutput(False, "cannot flush the cache while requests run")
-        if not force:
-            self.finish_round_in_flight()
+        self.finish_round_in_flight()
         self.tree_cache.reset()
         self.req_to_token_pool.clear()
         self.token_to_kv_pool_allocator.clear()
@@ -238,7 +238,7 @@ class Scheduler:
         params.max_new_tokens = min(params.max_new_tokens, self.max_req_len - len(recv_req.input_ids))
         req = Req(recv_req.rid, recv_req.input_text, list(recv_req.input_ids), params, self.eos_token_ids,
                   seed=self.server_args.random_seed + self.num_reqs_received, stream=recv_req.stream,
-                  tokenizer=self.tokenizer)
+                  tokenizer=self.tokenizer, extra_key=recv_req.extra_key)
         req.trace_parent = recv_req.trace_parent
         self.num_reqs_received += 1
         self.waiting_queue.append(req)

@@ -82,7 +82,7 @@ class SchedulerObserver:
         """Request ``rid``'s history in words (sglite/explain.py), from the lifecycle
         events kept for the last 10,000 requests (Engine.explain, /explain?rid=)."""
         try:
-            return ExplainReqOutput(explain(self.history.events(rid), rid))
+            return ExplainReqOutput(explain(self.history.events(rid), rid, self.history.gaps(rid)))
         except KeyError as e:
             return ExplainReqOutput("", str(e.args[0]))
 
@@ -92,6 +92,7 @@ class SchedulerObserver:
                             max_new_tokens=p.max_new_tokens, temperature=temperature, top_p=p.top_p,
                             top_k=p.top_k if p.top_k < TOP_K_ALL else -1, ignore_eos=p.ignore_eos,
                             trace_parent=req.trace_parent, input_ids=tuple(req.origin_input_ids),
+                            extra_key=req.extra_key,
                             sampling_params={**p.to_dict(), "temperature": temperature, "seed": req.sampling_seed})
 
     def on_req_aborted(self, rid: str, reason: str, by_client: bool = False) -> None:
@@ -153,7 +154,7 @@ class SchedulerObserver:
             return
         s = self.scheduler
         fill = req.origin_input_ids + req.output_ids
-        miss = classify(fill, len(req.prefix_indices), s.page_size, s.tree_cache.evicted_keys)
+        miss = classify(fill, len(req.prefix_indices), s.page_size, s.tree_cache.evicted_keys, req.extra_key)
         for reason, n in (("evicted", miss.evicted), ("page_tail", miss.page_tail), ("last_token", miss.last_token),
                           ("radix_off" if miss.radix_off else "past_shared" if miss.diverged_at > 0 else "new",
                            miss.rest)):

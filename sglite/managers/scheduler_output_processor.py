@@ -80,3 +80,10 @@ class SchedulerOutputProcessor:
             "id": rid, "prompt_tokens": prompt_tokens, "completion_tokens": 0, "cached_tokens": 0,
             "finish_reason": FINISH_ABORT(error, is_error=True).to_json(), "error": error}))
         s.observer.on_req_aborted(rid, error)
+
+    def send_health_check_passed(self, rid: str) -> None:
+        """A health probe that came while requests run: answered at once, not run (the
+        iteration that read it is proof enough that the scheduler is alive)."""
+        self.scheduler.send_to_detokenizer(BatchTokenIDOut(rid, [], True, {
+            "id": rid, "prompt_tokens": 1, "completion_tokens": 0, "cached_tokens": 0,
+            "finish_reason": {"type": "stop", "matched": None}, "health_check": "answered while busy"}))

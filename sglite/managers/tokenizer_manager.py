@@ -11,6 +11,7 @@ offline Engine calls it in-process.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 import jinja2
 
 from sglite.managers.io_struct import AbortReq, BatchStrOut, TokenizedGenerateReqInput
-from sglite.sampling.sampling_params import SamplingParams
+from sglite.sampling.sampling_params import SamplingParams, check_utf8, short_repr
 
 if TYPE_CHECKING:
     from sglite.metrics.collector import TokenizerMetricsCollector
@@ -40,16 +41,19 @@ class TokenizerManager:
     max_total_num_tokens: int
 
     def tokenize(self, rid: str, prompt: Any = None, input_ids: Any = None, messages: Any = None,
-                 sampling_params: Any = None, stream: bool = False) -> TokenizedGenerateReqInput:
-        """The request ready for the scheduler, or carrying the reason it cannot run."""
+                 sampling_params: Any = None, stream: bool = False,
+                 extra_key: str | None = None) -> TokenizedGenerateReqInput:
+        """The request ready for the scheduler, or carrying the reason it cannot run.
+        ``extra_key``: SGLang's cache key (OpenAI's cache_salt); see io_struct."""
         try:
             params = SamplingParams.from_dict(sampling_params)
             params.verify(self.vocab_size)
+            check_extra_key(extra_key)
             text, ids = self._prompt(prompt, input_ids, messages)
             self._validate_one_request(ids)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             return TokenizedGenerateReqInput(rid, None, [], SamplingParams(), stream, error=_one_line(e))
-        return TokenizedGenerateReqInput(rid, text, ids, params, stream)
+        return TokenizedGenerateReqInput(rid, text, ids, params, stream, extra_key=extra_key)
 
     def _prompt(self, prompt: Any, input_ids: Any, messages: Any) -> tuple[str | None, list[int]]:
         """(text, token ids) from exactly one of: a prompt, chat messages, token ids."""
@@ -71,19 +75,35 @@ class TokenizerManager:
                 raise RequestError(f"the chat template failed: {type(e).__name__}: {e}") from None
         if not isinstance(prompt, str):
             raise RequestError(f"the prompt must be a string, got {type(prompt).__name__}")
+        self._check_text_bound(prompt)  # (first: it costs nothing, the UTF-8 check a pass over the text)
+        check_utf8("the prompt", prompt)
         return prompt, self._need_tokenizer().encode(prompt) if prompt else []
+
+    def _check_text_bound(self, text: str) -> None:
+        """Refuse, before the tokenizer runs, a text too long to fit whatever it encodes
+        to: no token covers more than ``max_token_bytes`` bytes (so at least that many
+        characters), so a text of more characters than ``max_req_input_len`` tokens can
+        cover is over the limit. Keeps a megabytes-long prompt from costing seconds of
+        tokenizing before it is refused."""
+        per_token = self.tokenizer.max_token_bytes if self.tokenizer is not None else None
+        if per_token is not None and len(text) > self.max_req_input_len * per_token:
+            raise RequestError(
+                f"the prompt has {len(text)} characters, more than the {self.max_req_input_len} tokens that fit "
+                f"can hold (at most {per_token} characters a token; context length {self.context_len}, "
+                f"KV pool {self.max_total_num_tokens} tokens)")
 
     def _check_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, (list, tuple)):
             raise RequestError(f"input_ids must be a list of integers, got {type(ids).__name__}")
+        self._validate_one_request(ids)  # the length first: a huge list is refused before its items are read
         for t in ids:
             if not isinstance(t, int) or isinstance(t, bool):
-                raise RequestError(f"input_ids must be integers, got {t!r}")
+                raise RequestError(f"input_ids must be integers, got {short_repr(t)}")
             if not 0 <= t < self.vocab_size:
                 raise RequestError(f"token id {t} is outside the vocabulary (0..{self.vocab_size - 1})")
         return list(ids)
 
-    def _validate_one_request(self, ids: list[int]) -> None:
+    def _validate_one_request(self, ids: list[int] | tuple[int, ...]) -> None:
         if not ids:
             raise RequestError("the prompt is empty")
         if len(ids) > self.max_req_input_len:
@@ -97,13 +117,46 @@ class TokenizerManager:
         return self.tokenizer
 
 
+MAX_EXTRA_KEY_LEN = 256  # characters of a cache_salt / extra_key
+
+
+def check_extra_key(key: Any) -> None:
+    """None, or a non-empty string of at most MAX_EXTRA_KEY_LEN characters."""
+    if key is None:
+        return
+    if not isinstance(key, str) or not key:
+        raise RequestError(f"cache_salt / extra_key must be a non-empty string, got {short_repr(key)}")
+    if len(key) > MAX_EXTRA_KEY_LEN:
+        raise RequestError(f"cache_salt / extra_key has {len(key)} characters; at most {MAX_EXTRA_KEY_LEN}")
+    check_utf8("cache_salt / extra_key", key)
+
+
+MAX_RID_LEN = 512  # characters of a request id
+
+
+def check_rid(rid: Any) -> str:
+    """A request id: a non-empty UTF-8 string of at most MAX_RID_LEN characters (it is
+    echoed in every answer and kept in the scheduler's history)."""
+    if not isinstance(rid, str) or not rid:
+        raise RequestError(f"rid must be a non-empty string, got {short_repr(rid)}")
+    if len(rid) > MAX_RID_LEN:
+        raise RequestError(f"rid has {len(rid)} characters; at most {MAX_RID_LEN}")
+    try:
+        check_utf8("rid", rid)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    return rid
+
+
 def _check_messages(messages: Any) -> list[dict[str, str]]:
-    """Chat messages: a list of {"role": str, "content": str}."""
+    """Chat messages: a list of {"role": str, "content": str}, UTF-8 text."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list of {\"role\", \"content\"} dicts")
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise RequestError(f"each message must be a dict with string 'role' and 'content', got {m!r}")
+            raise RequestError(f"each message must be a dict with string 'role' and 'content', got {short_repr(m)}")
+        check_utf8("a message's role", m["role"])
+        check_utf8("a message's content", m["content"])
     return messages
 
 
@@ -129,6 +182,64 @@ class ServerReqState:
     last_token_time: float | None = None
 
 
+@dataclass
+class ReqSpec:
+    """One request as a route parsed it, before the gate checks and tokenizes it."""
+
+    rid: str
+    prompt: Any = None
+    input_ids: Any = None
+    messages: Any = None
+    sampling_params: Any = None
+    stream: bool = False
+    extra_key: Any = None
+
+    def work_size(self) -> int:
+        """Characters the tokenizer reads, or token ids the gate checks: what decides
+        where that work runs."""
+        if isinstance(self.prompt, str):
+            return len(self.prompt)
+        if isinstance(self.input_ids, list):
+            return len(self.input_ids)
+        if isinstance(self.messages, list):
+            return sum(len(m.get("content") or "") for m in self.messages
+                       if isinstance(m, dict) and isinstance(m.get("content"), str))
+        return 0
+
+
+# Requests of up to this many characters (or token ids) in all are checked and tokenized
+# on the event loop (a few ms at most); bigger ones on a worker thread, where the
+# tokenizer lets go of the GIL and Python code yields it every few ms: one client's long
+# prompt costs its own wait, not everyone's.
+INLINE_WORK = 8192
+
+
+class Claim:
+    """The requests of one HTTP request, sent to the scheduler; ``release`` (idempotent)
+    aborts those unfinished and forgets them all. It runs when the handler is done, when
+    a stream ends or is closed, and when a stream is dropped without ever being read
+    (``__del__``), so no rid stays taken by a client that went away."""
+
+    def __init__(self, manager: "ServerTokenizerManager", states: list[ServerReqState]):
+        self.manager, self.states, self.released = manager, states, False
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        for state in self.states:
+            if self.manager.rid_to_state.get(state.rid) is state:
+                del self.manager.rid_to_state[state.rid]
+            if not state.finished:  # the handler stopped reading (a client that went away)
+                self.manager.abort_request(state.rid)
+                if self.manager.metrics is not None:
+                    self.manager.metrics.num_aborted_requests_total.inc()
+
+    def __del__(self) -> None:
+        if not self.released:
+            self.release()
+
+
 class ServerTokenizerManager:
     """SGLang's TokenizerManager as the HTTP server's process runs it (asyncio): the gate
     above checks and tokenizes each request, which then goes to the Scheduler process
@@ -138,6 +249,7 @@ class ServerTokenizerManager:
     def __init__(self, gate: TokenizerManager, port_args: "PortArgs", metrics: "TokenizerMetricsCollector | None"):
         import zmq
         import zmq.asyncio
+        from concurrent.futures import ThreadPoolExecutor
 
         self.gate, self.metrics = gate, metrics
         ctx = zmq.asyncio.Context()
@@ -148,38 +260,61 @@ class ServerTokenizerManager:
         self.rid_to_state: dict[str, ServerReqState] = {}
         self.control_waiters: deque[Any] = deque()  # futures of control requests, answered in order
         self.control_lock: Any = None  # an asyncio.Lock, made in the server's loop
+        self.tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglite-tokenize")
+        self.last_output_tstamp = 0.0  # time.monotonic() when some request's tokens last came (health checks)
 
-    def check(self, rid: str, prompt: Any = None, input_ids: Any = None, messages: Any = None,
-              sampling_params: Any = None, stream: bool = False, trace_parent: str = "") -> TokenizedGenerateReqInput:
-        """The tokenized request; raises RequestError (a 400) for a bad one or a rid in use.
-        ``trace_parent``: the W3C traceparent the request's spans continue."""
-        if rid in self.rid_to_state:
-            raise RequestError(f"request id {rid!r} is already in use by an unfinished request")
-        req = self.gate.tokenize(rid, prompt, input_ids, messages, sampling_params, stream)
-        if req.error:
-            raise RequestError(req.error)
-        req.trace_parent = trace_parent
-        return req
-
-    async def generate_request(self, req: TokenizedGenerateReqInput) -> AsyncIterator[ServerReqState]:
-        """Send one checked request; yield its state each time more of it came back.
-        Closing the iterator early (a client that went away) aborts the request."""
-        import asyncio
-
-        state = ServerReqState(req.rid, asyncio.Event(), time.monotonic())
-        self.rid_to_state[req.rid] = state
-        await self.send_to_scheduler.send_pyobj(req)
+    async def submit(self, specs: list[ReqSpec], trace_parent: str = "", batch: bool = False) -> Claim:
+        """Check, tokenize and send every request of one HTTP request, all or none: the
+        rids are claimed first, at once (a rid in use, or twice here, is a RequestError:
+        two clients racing for one rid cannot both get it), then each request is checked
+        (RequestError naming the first bad one; ``batch``: "request i of the batch: ..."),
+        then all are sent. ``trace_parent``: the W3C traceparent their spans continue."""
+        rids = [check_rid(s.rid) for s in specs]
+        states = self._claim(rids)
         try:
-            while not state.finished:
-                await state.event.wait()
-                state.event.clear()
-                yield state
-        finally:
-            self.rid_to_state.pop(req.rid, None)
-            if not state.finished:  # the handler stopped reading (a client that went away)
-                self.abort_request(req.rid)
-                if self.metrics is not None:
-                    self.metrics.num_aborted_requests_total.inc()
+            reqs = await self._tokenize(specs)
+            for i, req in enumerate(reqs):
+                if req.error:
+                    raise RequestError(f"request {i} of the batch: {req.error}" if batch else req.error)
+        except BaseException:
+            self._forget(rids)  # nothing was sent: nothing to abort
+            raise
+        for req in reqs:
+            req.trace_parent = trace_parent
+            self.send_to_scheduler.send_pyobj(req)
+        return Claim(self, states)
+
+    def _claim(self, rids: list[str]) -> list[ServerReqState]:
+        """Take every rid or none (synchronous: no other handler runs in between)."""
+        if len(set(rids)) != len(rids):
+            raise RequestError("the rids of a batch must differ")
+        busy = next((r for r in rids if r in self.rid_to_state), None)
+        if busy is not None:
+            raise RequestError(f"Duplicate request ID: {busy!r} is already in use by an unfinished request")
+        now = time.monotonic()
+        states = [ServerReqState(r, asyncio.Event(), now) for r in rids]
+        self.rid_to_state.update((st.rid, st) for st in states)
+        return states
+
+    def _forget(self, rids: list[str]) -> None:
+        for r in rids:
+            self.rid_to_state.pop(r, None)
+
+    async def _tokenize(self, specs: list[ReqSpec]) -> list[TokenizedGenerateReqInput]:
+        def run() -> list[TokenizedGenerateReqInput]:
+            return [self.gate.tokenize(s.rid, s.prompt, s.input_ids, s.messages, s.sampling_params, s.stream,
+                                       s.extra_key) for s in specs]
+
+        if sum(s.work_size() for s in specs) <= INLINE_WORK:
+            return run()
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, run)
+
+    async def results(self, state: ServerReqState) -> AsyncIterator[ServerReqState]:
+        """Yield the request's state each time more of it came back, until it finished."""
+        while not state.finished:
+            await state.event.wait()
+            state.event.clear()
+            yield state
 
     def abort_request(self, rid: str, message: str = "aborted by user") -> None:
         self.send_to_scheduler.send_pyobj(AbortReq(rid, message))
@@ -195,8 +330,6 @@ class ServerTokenizerManager:
         are aborted ('the server is shutting down') and answered with what they have, by
         the scheduler or, if it does not answer within ``answer_within`` s (it died),
         here. Every handler returns a response; none is cancelled mid-wait."""
-        import asyncio
-
         deadline = time.monotonic() + grace
         while self.rid_to_state and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -215,8 +348,6 @@ class ServerTokenizerManager:
 
     async def control(self, request: Any) -> Any:
         """Send a control request to the scheduler and await its answer."""
-        import asyncio
-
         if self.control_lock is None:
             self.control_lock = asyncio.Lock()
         async with self.control_lock:  # one at a time: answers come back in order
@@ -244,6 +375,7 @@ class ServerTokenizerManager:
         state.output_ids += out.new_token_ids
         state.outs.append(out)
         if out.new_token_ids:
+            self.last_output_tstamp = now
             if state.first_token_time is None:
                 state.first_token_time = now
                 if self.metrics is not None:

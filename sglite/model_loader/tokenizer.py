@@ -4,6 +4,7 @@ transformers at run time)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -87,11 +88,24 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tk.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        """The most bytes of text one token stands for (its decoded UTF-8), so that a text
+        of n characters needs at least n / max_token_bytes tokens. None when a normalizer
+        rewrites the text before the model sees it (then no such bound is known)."""
+        if self._tk.normalizer is not None:
+            return None
+        decode = self._tk.decode
+        return max(len(decode([i], skip_special_tokens=False).encode("utf-8", "surrogatepass"))
+                   for i in range(self.vocab_size))
+
     def id_to_token(self, i: int) -> str | None:
         return self._tk.id_to_token(i)
 
     def encode(self, text: str) -> list[int]:
-        ids = self._tk.encode(text, add_special_tokens=False).ids
+        # encode_batch lets go of the GIL while it works (encode holds it throughout):
+        # a long prompt tokenized on another thread does not stall this process's others
+        ids = self._tk.encode_batch([text], add_special_tokens=False)[0].ids
         if self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
         return ids

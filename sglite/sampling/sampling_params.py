@@ -8,6 +8,15 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 _GREEDY_EPS = 1e-6
+# Bounds on what one request may ask the scheduler to check every step (docs/serving.md,
+# "Limits"): each stop string is searched for in the output's tail after every token,
+# and a request's parameters are kept while it runs.
+MAX_STOP_STRS = 64
+MAX_STOP_STR_LEN = 512  # characters
+MAX_STOP_TOKEN_IDS = 4096
+# a nonzero float parameter below this is refused: float32 arithmetic would round it to
+# 0 (top_p 0 keeps no token) or overflow dividing by it (repetition_penalty)
+MIN_NONZERO = 1e-30
 # SGLang's TOP_K_ALL: top_k = -1 (off) becomes "keep every token"
 TOP_K_ALL = 1 << 30
 
@@ -60,17 +69,30 @@ class SamplingParams:
             _need_finite(name, getattr(self, name))
         for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be true or false, got {short_repr(getattr(self, name))}")
         if self.seed is not None:
             _need_int("seed", self.seed)
             if not 0 <= self.seed < 1 << 64:
                 raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        self._check_stops()
+
+    def _check_stops(self) -> None:
+        """stop: a string or a list of at most MAX_STOP_STRS non-empty UTF-8 strings of at
+        most MAX_STOP_STR_LEN characters; stop_token_ids: at most MAX_STOP_TOKEN_IDS ints."""
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         if stops is not None and (not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops)):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {short_repr(self.stop)}")
+        if stops is not None and len(stops) > MAX_STOP_STRS:
+            raise ValueError(f"stop has {len(stops)} strings; at most {MAX_STOP_STRS}")
+        for x in stops or ():
+            check_utf8("stop", x)
+            if len(x) > MAX_STOP_STR_LEN:
+                raise ValueError(f"a stop string has {len(x)} characters; at most {MAX_STOP_STR_LEN}")
         ids = self.stop_token_ids
         if ids is not None and (not isinstance(ids, list) or not all(_is_int(t) for t in ids)):
-            raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}")
+            raise ValueError(f"stop_token_ids must be a list of integers, got {short_repr(ids)}")
+        if ids is not None and len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
 
     def verify(self, vocab_size: int | None = None) -> None:
         """Raise ValueError with a one-line reason for a request that cannot run
@@ -93,6 +115,11 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not 0 < self.repetition_penalty <= 2:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        for name in ("top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if value != 0 and abs(value) < MIN_NONZERO:
+                raise ValueError(f"{name} {value!r} is too small: a nonzero value must be at least {MIN_NONZERO:g} "
+                                 "(float32 would round it to 0)")
         for t in (self.stop_token_ids or []) if vocab_size is not None else []:
             if not 0 <= t < vocab_size:
                 raise ValueError(f"stop_token_ids has {t}, outside the vocabulary (0..{vocab_size - 1})")
@@ -116,15 +143,31 @@ class SamplingParams:
         return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
 
 
+def check_utf8(name: str, text: str) -> None:
+    """``text`` encodes as UTF-8: JSON's ``\\ud800`` escapes and Python strings may hold lone
+    surrogates, which no tokenizer, socket or response can carry."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid UTF-8 text: it holds {text[e.start]!r} at character {e.start} "
+                         "(a lone surrogate)") from None
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    """repr of a value for an error line, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _need_int(name: str, v: Any) -> None:
     if not _is_int(v):
-        raise ValueError(f"{name} must be an integer, got {v!r}")
+        raise ValueError(f"{name} must be an integer, got {short_repr(v)}")
 
 
 def _need_finite(name: str, v: Any) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ValueError(f"{name} must be a finite number, got {v!r}")
+        raise ValueError(f"{name} must be a finite number, got {short_repr(v)}")

@@ -34,7 +34,8 @@ def control(url: str, cmd: str) -> dict:
 
 
 def test_attached_screen_sees_a_retract_and_steps_the_server():
-    server = Server("--max-total-tokens", "1024", "--schedule-conservativeness", "0.3", "--enable-debug-control")
+    server = Server("--max-total-tokens", "1024", "--schedule-conservativeness", "0.3", "--enable-debug-control",
+                    "--enable-debug-events")
 
     async def scenario():
         conn = RemoteConnection(server.url)
@@ -92,7 +93,7 @@ def test_attached_screen_sees_a_retract_and_steps_the_server():
 
 
 def test_without_debug_control_the_server_cannot_be_paused():
-    server = Server()
+    server = Server("--enable-debug-events")
     try:
         r = httpx.post(f"{server.url}/debug/control", json={"cmd": "pause"}, timeout=30)
         assert r.status_code == 403 and "--enable-debug-control" in r.json()["error"]["message"]

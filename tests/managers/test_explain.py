@@ -4,6 +4,8 @@ Engine.explain naming that budget with those numbers."""
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 import re
 
 import pytest
@@ -130,3 +132,101 @@ def test_a_retraction_says_what_stays_cached_and_what_is_prefilled_again():
     # and what the recompute cost in time: its rows' share of the re-admission's prefill forward
     assert re.search(rf"forward #\d+ \(EXTEND, \d+ rows\) took [\d.]+ ms; its {retract.output_tokens} rows ~", text)
     assert "recomputing what its retractions dropped took ~" in text
+
+
+def long_requests(n: int, seed: int = 0) -> tuple[list[list[int]], list[dict]]:
+    """n 256-token prompts, each with its own 4096-entry stop_token_ids list."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 500) for _ in range(256)] for _ in range(n)]
+    params = [{**NO_EOS, "max_new_tokens": 2, "stop_token_ids": [rng.randrange(3, 500) for _ in range(4096)]}
+              for _ in range(n)]
+    return prompts, params
+
+
+def test_the_history_keeps_a_slim_arrival_and_explains_as_the_whole_events_do():
+    log = ev.EventLog()
+    bus = ev.EventBus()
+    bus.subscribe(log)  # what every other subscriber (the recorder) gets
+    engine = Engine("tiny-random", log_level="error", event_bus=bus, max_total_tokens=2048, chunked_prefill_size=128)
+    prompts, params = long_requests(2)
+    engine.generate(input_ids=prompts + [[7] * 50], sampling_params=params + [{**NO_EOS, "max_new_tokens": 4}])
+    (whole,) = [e for e in log.events if isinstance(e, ev.ReqArrived) and e.rid == "r0"]
+    assert len(whole.input_ids) == 256 and len(whole.sampling_params["stop_token_ids"]) == 4096
+    kept = engine.history.events("r0")[0]
+    assert isinstance(kept, ev.ReqArrived) and kept.input_ids == ()
+    assert kept.sampling_params["stop_token_ids"] == "<list of 4096>"
+    assert {k: v for k, v in kept.sampling_params.items() if k != "stop_token_ids"} == {
+        k: v for k, v in whole.sampling_params.items() if k != "stop_token_ids"}  # the scalars as they were
+    assert len(pickle.dumps(kept)) < 1000 < len(pickle.dumps(whole)) // 10
+    planned = [e for e in engine.history.events("r0") if isinstance(e, ev.BatchPlanned)]
+    assert planned and all(e.out_cache_loc == () for e in planned)
+    for rid in ("r0", "r1", "r2"):  # chunked, held, ordinary: the same words from the slim copies
+        assert engine.explain(rid) == explain(log.events, rid)
+
+
+def test_200_long_requests_keep_a_small_history():
+    engine = Engine("tiny-random", log_level="error", max_total_tokens=200 * 300)
+    prompts, params = long_requests(200)
+    engine.generate(input_ids=prompts, sampling_params=params)
+    kept = [engine.history.events(f"r{i}") for i in range(200)]
+    assert all(k and isinstance(k[0], ev.ReqArrived) for k in kept)
+    # ~700 bytes a request (each prompt and stop list alone pickles to ~13 KB)
+    assert len(pickle.dumps(engine.history._by_rid)) < 200 * 1500
+
+
+def held_every_round(rounds: int) -> list[ev.Event]:
+    """A request held anew each round (the stopper changes), then admitted and finished."""
+    out: list[ev.Event] = [ev.ReqArrived(rid="w", prompt_tokens=10, max_new_tokens=4, iteration=1)]
+    for i in range(rounds):
+        budget = "not_reached" if i % 3 else "rem_total_tokens"
+        out.append(ev.ReqHeld(rid="w", budget=budget, need=i, have=1, detail=f"stopped at r{i}", iteration=1 + i))
+    it = 1 + rounds
+    out += [ev.CacheMatched(rid="w", matched_len=0, key_len=10, reason="new", iteration=it),
+            ev.ReqAdmitted(rid="w", prefix_len=0, extend_len=10, iteration=it),
+            ev.ReqFinished(rid="w", reason="length", prompt_tokens=10, completion_tokens=4, iteration=it + 4)]
+    return out
+
+
+def test_a_request_held_many_rounds_keeps_its_first_and_last_holds_and_every_round_counted():
+    from sglite.explain import KEPT_PER_KIND
+
+    events = held_every_round(100)
+    history = RequestHistory()
+    for e in events:
+        history(e)
+    holds = [e for e in history.events("w") if isinstance(e, ev.ReqHeld)]
+    assert [e.need for e in holds] == list(range(KEPT_PER_KIND)) + list(range(100 - KEPT_PER_KIND, 100))
+    (gap,) = history.gaps("w")
+    assert (gap.kind, gap.count, gap.iteration, gap.last_iteration) == ("ReqHeld", 100 - 2 * KEPT_PER_KIND,
+                                                                        1 + KEPT_PER_KIND, 100 - KEPT_PER_KIND)
+    whole = explain(events, "w").splitlines()
+    kept = explain(history.events("w"), "w", history.gaps("w")).splitlines()
+    first, last = 2 + KEPT_PER_KIND, 2 + 100 - KEPT_PER_KIND  # (after the rid and the arrival lines)
+    assert kept[:first] == whole[:first] and kept[first + 1:] == whole[last:]  # each kept line as it was
+    assert kept[first].startswith(f"  iterations {1 + KEPT_PER_KIND}-{100 - KEPT_PER_KIND}: "
+                                  f"{100 - 2 * KEPT_PER_KIND} more ReqHeld events not kept")
+    assert kept[-1] == whole[-1] == "  held 100 rounds in all, by budget: not_reached 66, rem_total_tokens 34"
+    assert len(pickle.dumps(history._by_rid)) < 20_000  # the same for 10,000 rounds
+
+
+def test_a_long_chunked_prompt_keeps_its_first_and_last_chunks():
+    engine = Engine("tiny-random", log_level="error", chunked_prefill_size=8, disable_overlap_schedule=True)
+    engine.generate(input_ids=[7] * 400, sampling_params={**NO_EOS, "max_new_tokens": 2})
+    kinds = [type(e).__name__ for e in engine.history.events("r0")]
+    assert kinds.count("ReqChunked") == 32 and kinds.count("ForwardFinished") == 32
+    assert {g.kind: g.count for g in engine.history.gaps("r0")} == {
+        "CacheMatched": 18, "ReqAdmitted": 18, "ReqChunked": 17, "BatchPlanned": 18, "ForwardFinished": 18}
+    text = engine.explain("r0")
+    assert "17 more ReqChunked events not kept" in text and "chunk 49 prefilled, 392/400 tokens" in text
+    assert text.splitlines()[-1].startswith("  iteration 51: finished (length), 2 output tokens")
+
+
+def test_the_history_keeps_at_most_max_events_the_oldest_requests_going_first():
+    history = RequestHistory(max_events=50)
+    for n in range(20):
+        for e in held_every_round(3):
+            history(dataclasses.replace(e, rid=f"q{n}"))  # 7 events a request
+    assert history.num_events == sum(len(history.events(f"q{n}")) for n in range(20)) <= 50
+    assert [n for n in range(20) if history.events(f"q{n}")] == list(range(13, 20))

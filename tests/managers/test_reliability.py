@@ -76,6 +76,23 @@ BAD_REQUESTS: list[tuple[str, dict, str]] = [
     ("a message without content", {"messages": [{"role": "user"}]}, "each message must be"),
     ("a message whose content is a list", {"messages": [{"role": "user", "content": ["x"]}]}, "each message must be"),
     ("a message that is a string", {"messages": ["hello"]}, "each message must be"),
+    ("stop holds a lone surrogate", {"prompt": "hi", "sampling_params": {"stop": ["\ud800"]}},
+     "stop is not valid UTF-8 text"),
+    ("65 stop strings", {"prompt": "hi", "sampling_params": {"stop": ["x"] * 65}}, "stop has 65 strings; at most 64"),
+    ("a stop string of 513 characters", {"prompt": "hi", "sampling_params": {"stop": "y" * 513}},
+     "a stop string has 513 characters; at most 512"),
+    ("4097 stop_token_ids", {"prompt": "hi", "sampling_params": {"stop_token_ids": [1] * 4097}},
+     "stop_token_ids has 4097 ids; at most 4096"),
+    ("top_p is 5e-324", {"prompt": "hi", "sampling_params": {"top_p": 5e-324}}, "top_p 5e-324 is too small"),
+    ("repetition_penalty is 5e-324", {"prompt": "hi", "sampling_params": {"repetition_penalty": 5e-324}},
+     "repetition_penalty 5e-324 is too small"),
+    ("min_p is 1e-40", {"prompt": "hi", "sampling_params": {"min_p": 1e-40}}, "min_p 1e-40 is too small"),
+    ("a prompt with a lone surrogate", {"prompt": "hi \udc00"}, "the prompt is not valid UTF-8 text"),
+    ("a message with a lone surrogate", {"messages": [{"role": "user", "content": "\ud800"}]},
+     "a message's content is not valid UTF-8 text"),
+    ("a prompt of a million characters", {"prompt": "a" * 10**6}, "characters, more than the 2042 tokens that fit"),
+    ("extra_key is an int", {"prompt": "hi", "extra_key": 5}, "cache_salt / extra_key must be a non-empty string"),
+    ("extra_key is empty", {"prompt": "hi", "extra_key": ""}, "cache_salt / extra_key must be a non-empty string"),
 ]
 
 # (what was tried, Engine keyword arguments, a fragment of the ValueError)
@@ -111,9 +128,9 @@ def engine():
 @pytest.mark.parametrize("what,kwargs,message", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
 def test_a_bad_request_gets_its_error_and_its_batch_mate_runs(engine, what, kwargs, message):
     alone = engine.generate(input_ids=[5, 6, 7], sampling_params=GOOD)
-    bad = {"prompt": None, "input_ids": None, "messages": None, "sampling_params": GOOD, **kwargs}
+    bad = {"prompt": None, "input_ids": None, "messages": None, "sampling_params": GOOD, "extra_key": None, **kwargs}
     rid_bad = engine.submit(bad["prompt"], input_ids=bad["input_ids"], messages=bad["messages"],
-                            sampling_params=bad["sampling_params"])
+                            sampling_params=bad["sampling_params"], extra_key=bad["extra_key"])
     good = engine.generate(input_ids=[5, 6, 7], sampling_params=GOOD)
     assert engine.is_finished(rid_bad)
     res = engine.result(rid_bad)
@@ -295,3 +312,194 @@ def test_a_chat_template_that_raises_fails_only_its_request(template, message, m
     ok = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})
     assert "error" not in ok and len(ok["output_ids"]) == 2
     engine.shutdown()
+
+
+# --- a failed round keeps the radix cache and the requests outside it ---------------------
+
+P = list(range(100, 140))  # a prompt an earlier, finished request left in the radix cache
+FAILING = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+def _fail_rounds(monkeypatch, engine, how: str, should_fail) -> list[str | None]:
+    """Make every round whose requests should_fail(reqs) picks raise: while it is planned
+    ("plan": building its sampling info), launched ("launch": handing it to the worker,
+    on the scheduler's thread) or in its forward ("forward": the model raises before
+    writing any KV; in the overlap loop on the forward thread, so the scheduler learns of
+    it a round later, after it has cached that round's prompt or chunk). Returns the rid
+    of the chunked request at each failure (None: there was none)."""
+    s = engine.scheduler
+    chunked_at_failure: list[str | None] = []
+
+    def fails(reqs) -> bool:
+        if should_fail(reqs):
+            chunked_at_failure.append(s.chunked_req.rid if s.chunked_req is not None else None)
+            return True
+        return False
+
+    if how == "plan":
+        _fail_in_from_reqs(monkeypatch, fails)
+        return chunked_at_failure
+    from sglite.managers import tp_worker, tp_worker_overlap_thread
+
+    failing: set[tuple[int, int]] = set()  # (model runner, bid): only this engine's forwards fail
+    launch = s.tp_worker.forward_batch_generation
+
+    def forward_batch_generation(worker_batch):
+        if fails(s.cur_batch.reqs):  # cur_batch: the batch run_batch was given
+            if how == "launch":
+                raise ValueError("boom")
+            failing.add((id(s.tp_worker.model_runner), worker_batch.bid))
+        return launch(worker_batch)
+
+    run_forward = tp_worker.run_forward
+
+    def failing_run_forward(model_runner, forward_batch, result):
+        if (id(model_runner), result.bid) in failing:
+            raise ValueError("boom")
+        return run_forward(model_runner, forward_batch, result)
+
+    monkeypatch.setattr(s.tp_worker, "forward_batch_generation", forward_batch_generation)
+    monkeypatch.setattr(tp_worker, "run_forward", failing_run_forward)
+    monkeypatch.setattr(tp_worker_overlap_thread, "run_forward", failing_run_forward)
+    return chunked_at_failure
+
+
+def _lock_problems(s) -> list[str]:
+    """Every node's lock_ref is the number of running requests (and the chunked one) whose
+    prefix runs through it, and protected_size counts exactly the locked tokens."""
+    tree = s.tree_cache
+    if not hasattr(tree, "root_node"):
+        return []  # ChunkCache: no tree, no locks
+    want: dict[int, int] = {}
+    for req in s.running_reqs() + ([s.chunked_req] if s.chunked_req is not None else []):
+        node = req.last_node
+        while node is not None and node is not tree.root_node:
+            want[id(node)] = want.get(id(node), 0) + 1
+            node = node.parent
+    problems, locked = [], 0
+    for node in tree._iter_nodes():
+        if node is not tree.root_node:
+            if node.lock_ref != want.get(id(node), 0):
+                problems.append(f"{node!r} has lock_ref {node.lock_ref}, {want.get(id(node), 0)} holders")
+            locked += len(node.value) if node.lock_ref else 0
+    if tree.protected_size() != locked:
+        problems.append(f"protected_size {tree.protected_size()} != {locked} locked tokens")
+    return problems
+
+
+def _watched_engine(monkeypatch, overlap: bool, **kwargs) -> tuple[Engine, list[int]]:
+    """An engine that walks every KV page and checks every lock after each iteration;
+    also returns what each failed round's SchedulerRuntimeChecker.reclaim_leaked found
+    (recovery must give every slot back itself: each entry 0)."""
+    engine = Engine("tiny-random", max_total_tokens=512, disable_overlap_schedule=not overlap,
+                    enable_self_check=True, enable_busy_self_check=True, chunked_prefill_size=8, **kwargs)
+    checker = engine.scheduler.runtime_checker
+    busy_check, reclaim = checker.self_check_during_busy, checker.reclaim_leaked
+    reclaimed: list[int] = []
+
+    def self_check_during_busy() -> None:
+        busy_check()
+        assert not _lock_problems(engine.scheduler), _lock_problems(engine.scheduler)
+
+    monkeypatch.setattr(checker, "self_check_during_busy", self_check_during_busy)
+    monkeypatch.setattr(checker, "reclaim_leaked", lambda: reclaimed.append(reclaim()) or reclaimed[-1])
+    return engine, reclaimed
+
+
+def _solo(prompts: list[list[int]]) -> list[list[int]]:
+    solo = Engine("tiny-random", max_total_tokens=512, disable_overlap_schedule=True)
+    return [solo.generate(input_ids=p, sampling_params=FAILING)["output_ids"] for p in prompts]
+
+
+def _cache_p(engine: Engine) -> int:
+    """Run P to the end (its prompt and output stay in the radix cache); the cached_tokens
+    a later request with prompt P reports."""
+    engine.generate(input_ids=P, sampling_params=FAILING)
+    cached = engine.generate(input_ids=P, sampling_params=FAILING)["meta_info"]["cached_tokens"]
+    assert cached == len(P) - 1
+    return cached
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("how", ["plan", "launch", "forward"])
+def test_a_failed_round_of_several_requests_keeps_the_cache(overlap, how, monkeypatch):
+    """A mixed round (a chunk of a long prompt + decodes) fails because of one request; the
+    trial finds it. The cache keeps P (an earlier request's), and the re-run requests,
+    the chunked one included, equal their solo runs: no node still holds KV that the
+    failed forward should have written (in the overlap loop, the chunk cached before its
+    forward was known to fail)."""
+    engine, reclaimed = _watched_engine(monkeypatch, overlap, enable_mixed_chunk=True)
+    prompts = [[5, 6, 7], [POISON, 1, 2], list(range(10, 50)), [8, 9, 10, 11]]
+    want = dict(enumerate(_solo(prompts)))
+    del want[1]
+    cached = _cache_p(engine)
+    chunked = _fail_rounds(monkeypatch, engine, how, lambda reqs: any(
+        r.origin_input_ids[0] == POISON and len(r.output_ids) >= 3 for r in reqs))
+    out = engine.generate(input_ids=prompts, sampling_params=FAILING, rid=["a", "bad", "long", "d"])
+    assert chunked and chunked[0] == "long"  # the first failed round had a chunk of "long"
+    assert {i: o["output_ids"] for i, o in enumerate(out) if i in want} == want
+    assert out[2]["meta_info"]["retraction_count"] >= 1  # it was in the failed round
+    bad = out[1]
+    assert bad["meta_info"]["finish_reason"]["type"] == "abort" and len(bad["output_ids"]) >= 3
+    assert ("OverflowError" if how == "plan" else "boom") in bad["error"]
+    assert engine.generate(input_ids=P, sampling_params=FAILING)["meta_info"]["cached_tokens"] == cached
+    assert reclaimed and not any(reclaimed)
+    engine.step()  # idle: the page walk finds nothing leaked or free twice
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("how", ["plan", "launch", "forward"])
+def test_a_failed_round_of_one_request_fails_it_alone_and_keeps_the_cache(overlap, how, monkeypatch):
+    """A long prompt fails at its third chunk while two requests wait, decoding, outside
+    that round: it alone gets the error; they are not retracted and equal their solo runs;
+    P stays cached, and so do the first two chunks (their forwards finished), but not the
+    third (in the overlap loop it was cached before its forward failed)."""
+    engine, reclaimed = _watched_engine(monkeypatch, overlap)
+    innocents = [[5, 6, 7], [8, 9, 10, 11]]
+    long_prompt = [POISON] + list(range(200, 239))  # 40 tokens: 5 chunks of 8
+    want = _solo(innocents + [long_prompt])
+    cached = _cache_p(engine)
+    chunked = _fail_rounds(monkeypatch, engine, how, lambda reqs: any(
+        r.rid == "bad" and len(r.prefix_indices) >= 16 for r in reqs))
+    rids = [engine.submit(input_ids=p, sampling_params=FAILING) for p in innocents]
+    while len(engine.scheduler.running_reqs()) < 2:  # both decoding when the long prompt comes
+        engine.step()
+    engine.submit(input_ids=long_prompt, sampling_params=FAILING, rid="bad")
+    while not all(engine.is_finished(r) for r in rids + ["bad"]):
+        engine.step()
+    assert chunked and chunked[0] == "bad"
+    bad = engine.result("bad")
+    assert bad["meta_info"]["finish_reason"]["type"] == "abort" and bad["output_ids"] == []
+    assert ("OverflowError" if how == "plan" else "boom") in bad["error"]
+    for rid, tokens in zip(rids, want):
+        assert engine.result(rid)["output_ids"] == tokens
+        assert engine.result(rid)["meta_info"]["retraction_count"] == 0
+    assert engine.generate(input_ids=P, sampling_params=FAILING)["meta_info"]["cached_tokens"] == cached
+    again = engine.generate(input_ids=long_prompt, sampling_params=FAILING)
+    assert (again["output_ids"], again["meta_info"]["cached_tokens"]) == (want[2], 16)
+    assert reclaimed and not any(reclaimed)
+    engine.step()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_trial_request_prefilled_in_chunks_runs_alone_to_its_last_chunk(overlap, monkeypatch):
+    """On trial, the culprit re-prefills its prompt and tokens in two chunks and fails at
+    the last. That chunk leaves chunked_req None before admission runs: the next request
+    on trial must still wait, or the two fail together, go on trial again, and so on
+    forever (no radix cache, so no cached prefix shortens the re-prefill)."""
+    engine, reclaimed = _watched_engine(monkeypatch, overlap, disable_radix_cache=True)
+    prompts = [[POISON] + list(range(1, 7)), [5, 6, 7], [8, 9, 10]]  # 7 + 3 tokens > a chunk of 8
+    want = _solo(prompts[1:])
+    _fail_in_from_reqs(monkeypatch, lambda reqs: any(
+        r.origin_input_ids[0] == POISON and len(r.output_ids) >= 3 and len(r.prefix_indices) > 0 for r in reqs))
+    rids = [engine.submit(input_ids=p, sampling_params=FAILING) for p in prompts]
+    for _ in range(200):
+        if all(engine.is_finished(r) for r in rids):
+            break
+        engine.step()
+    assert all(engine.is_finished(r) for r in rids), "the trial never ends"
+    bad = engine.result(rids[0])
+    assert bad["meta_info"]["finish_reason"]["type"] == "abort" and len(bad["output_ids"]) == 3
+    assert [engine.result(r)["output_ids"] for r in rids[1:]] == want
+    assert not any(reclaimed)
+    engine.step()
