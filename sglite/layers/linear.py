@@ -12,11 +12,12 @@ down each end in one all-reduce. At tp 1 every class is a plain linear layer.
 Each class's ``weight_loader`` takes the checkpoint's full tensor and copies this rank's
 part of it (the model loads the whole checkpoint on every rank, then keeps its shard).
 
-On a CPU in bfloat16 with sglite's C++ kernels, ``pack()`` (called once after the
-weights load, as SGLang's ``process_weights_after_loading`` does) replaces the weight
-by its packed form (``convert_weight_packed``: blocks of 16 output rows, K in pairs, the
-layout AVX512-BF16's dot product reads) and ``forward`` runs ``weight_packed_linear``:
-float32 sums, one pass over the weight for a batch of one. Everywhere else it is
+On a CPU with sglite's C++ kernels (bfloat16 or float32), ``pack()`` (called once after
+the weights load, as SGLang's ``process_weights_after_loading`` does) replaces the
+weight by its packed form (``convert_weight_packed``: blocks of 16 output rows; in
+bfloat16 K in pairs, the layout AVX512-BF16's dot product reads) and ``forward`` runs
+``weight_packed_linear``: float32 sums, each added in k order whatever the batch (batch
+invariance), one pass over the weight for a batch of one. Everywhere else it is
 ``F.linear``. A rank packs its own shard.
 """
 
@@ -46,12 +47,13 @@ class LinearBase(nn.Module):
         self.packed = False
 
     def pack(self) -> None:
-        """Pack a bfloat16 CPU weight for ``weight_packed_linear`` (once; the C++ kernels
-        must load)."""
+        """Pack a bfloat16 or float32 CPU weight for ``weight_packed_linear`` (once; the
+        C++ kernels must load)."""
         if self.packed:
             return
-        if self.weight.device.type != "cpu" or self.weight.dtype != torch.bfloat16:
-            raise ValueError(f"packing needs a bfloat16 CPU weight, not {self.weight.dtype} on {self.weight.device}")
+        if self.weight.device.type != "cpu" or self.weight.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"packing needs a bfloat16 or float32 CPU weight, not {self.weight.dtype} on "
+                             f"{self.weight.device}")
         from sglite.layers.cpu_ops import load_cpu_ops
 
         self.weight = nn.Parameter(load_cpu_ops().convert_weight_packed(self.weight.data), requires_grad=False)
@@ -72,7 +74,7 @@ class LinearBase(nn.Module):
     def extra_repr(self) -> str:
         tp = f", tp {self.tp_rank}/{self.tp_size}" if self.tp_size > 1 else ""
         return (f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
-                + (", packed bf16" if self.packed else "") + tp)
+                + (f", packed {'bf16' if self.weight.dtype == torch.bfloat16 else 'f32'}" if self.packed else "") + tp)
 
 
 class ReplicatedLinear(LinearBase):

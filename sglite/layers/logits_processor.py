@@ -3,8 +3,8 @@
 row: tutorial A's 9 prefill rows (docs/seeds.md §A3) give 2 rows of logits.
 
 The head is the LM head's weight [vocab, hidden] (logits = hidden @ weight.T, in the
-model's dtype, then float32), or a packed ``ReplicatedLinear`` (a bfloat16 model on a
-CPU), whose float32 sums are the logits without a bfloat16 rounding between.
+model's dtype, then float32), or a packed ``ReplicatedLinear`` (a model on the cpu
+backend), whose float32 sums are the logits without a bfloat16 rounding between.
 
 Under tensor parallelism each rank's head holds a shard of the vocabulary
 (layers/vocab_parallel_embedding.py): the ranks' logits are all-gathered, side by side

@@ -46,7 +46,7 @@ class CpuGraphRunner:
         model, config = model_runner.model, model_runner.model_config
         pool = model_runner.token_to_kv_pool
         first = model.model.layers[0].self_attn
-        packed = model.packed_lm_head is not None  # bfloat16: every linear's weight is packed
+        packed = model.packed_lm_head is not None  # every linear's weight is packed (the cpu backend)
         self.graph = load_cpu_ops().DecodeGraph(
             model.model.embed_tokens.weight, model.model.norm.weight,
             model.packed_lm_head.weight if packed else model.lm_head_weight,
@@ -60,7 +60,8 @@ class CpuGraphRunner:
                 attn.rotary_emb.cos_sin_cache, pool.get_key_buffer(i), pool.get_value_buffer(i),
                 config.intermediate_size)
         logger.info("CPU graph: decode forwards of %d layers run as one C++ call%s", self.graph.num_layers,
-                    " (bfloat16, packed linears)" if packed else "")
+                    f" ({str(model.model.embed_tokens.weight.dtype).removeprefix('torch.')}, packed linears)"
+                    if packed else "")
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         return forward_batch.forward_mode.is_decode() and forward_batch.batch_size > 0

@@ -235,8 +235,11 @@ class ModelRunner:
                 module.cos_sin_cache = module._compute_cos_sin_cache().to(self.device)
         model.load_weights((k, v.to(self.device, self.dtype)) for k, v in weights.items())
         model.eval()
-        if self.attention_backend == "cpu" and self.dtype == torch.bfloat16:
-            model.pack_linear_weights()  # the C++ bf16 linears (layers/linear.py)
+        if self.attention_backend == "cpu" and self.dtype in (torch.bfloat16, torch.float32):
+            # the C++ linears (layers/linear.py): fast in bfloat16, and in either dtype each
+            # output sums its products in one order whatever the batch (torch's float32
+            # F.linear does not: docs/kernels.md, "Batch invariance")
+            model.pack_linear_weights()
         return model
 
     def _build_attn_backend(self) -> AttentionBackend:

@@ -134,8 +134,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def pack_linear_weights(self) -> None:
-        """Pack every linear layer and the LM head for the CPU's bfloat16 kernels (a
-        bfloat16 model on a CPU, after its weights load); the embedding stays as it is."""
+        """Pack every linear layer and the LM head for the CPU's kernels (a bfloat16 or
+        float32 model on the cpu backend, after its weights load); the embedding stays as
+        it is."""
         for module in self.modules():
             if isinstance(module, LinearBase):
                 module.pack()

@@ -41,4 +41,6 @@ def test_shared_prefix_rows_agree_and_torch_native_attends_the_prefix_once(capsy
     assert "the first 300 shared by every request" in out
     (row,) = [ln for ln in out.splitlines() if re.match(r"\| 4 \|", ln)]
     assert float(row.strip("|").split("|")[5]) < 1e-4
-    assert ("torch_native", 1) in grouped and ("cpu", 0) in grouped  # the cascade against the kernel
+    # the cascade against the kernel: the cpu backend plans every row for its kernel (its
+    # own init_forward_metadata: no groups), torch_native attends the prefix once
+    assert set(grouped) == {("torch_native", 1)}

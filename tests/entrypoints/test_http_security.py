@@ -323,6 +323,10 @@ def test_two_requests_with_one_rid_at_once_one_wins_one_is_told():
                 done, _ = await asyncio.wait(pair, return_when=asyncio.FIRST_COMPLETED)
                 loser = done.pop().result()
                 assert loser.status_code == 400 and "Duplicate request ID" in loser.json()["error"]["message"]
+                for _ in range(500):  # the winner's request on its way to the (stuck) scheduler
+                    if body["rid"] in server.scheduler.generate_rids():
+                        break
+                    await asyncio.sleep(0.01)
                 server.scheduler.answer_held()
                 answers = await asyncio.wait_for(asyncio.gather(*pair), 10)  # no handler hangs
                 assert sorted(r.status_code for r in answers) == [200, 400]

@@ -78,7 +78,8 @@ def test_packed_linear_rejects_bad_input_with_a_message():
     packed = ops.convert_weight_packed(w)
     x = rand(2, 16, seed=8).bfloat16()
     for call, message in [
-        (lambda: ops.weight_packed_linear(x.float(), packed, None, 32), "x must be a bfloat16 CPU tensor"),
+        (lambda: ops.weight_packed_linear(x.float(), packed, None, 32), "packed must be a contiguous float32 \\(x is"),
+        (lambda: ops.weight_packed_linear(x.double(), packed, None, 32), "x must be a bfloat16 or float32 CPU tensor"),
         (lambda: ops.weight_packed_linear(x[:, :8], packed, None, 32), "x has 8 columns; the weight has 16"),
         (lambda: ops.weight_packed_linear(x, w.t().contiguous(), None, 32), "must come from convert_weight_packed"),
         (lambda: ops.weight_packed_linear(x, packed, None, 5), "must come from convert_weight_packed"),
@@ -98,8 +99,8 @@ def test_replicated_linear_packs_once_and_keeps_its_outputs():
     layer.pack()  # a second call is a no-op
     assert layer.packed and layer.weight.shape == (48, 24) and "packed bf16" in repr(layer)
     torch.testing.assert_close(layer(x, out_float32=True), want, rtol=2e-2, atol=2e-2)
-    with pytest.raises(ValueError, match="needs a bfloat16 CPU weight"):
-        ReplicatedLinear(4, 4).pack()
+    with pytest.raises(ValueError, match="needs a bfloat16 or float32 CPU weight"):
+        ReplicatedLinear(4, 4).to(torch.float64).pack()
 
 
 def test_bf16_rmsnorm_silu_rope_equal_the_torch_path_to_one_rounding():

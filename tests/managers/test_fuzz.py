@@ -1,7 +1,8 @@
 """The workload fuzz (docs/reliability.md): random workloads over pool size, chunk size,
 page size, policy, mixed chunks, radix on/off, both loops, arrival times, aborts,
-seeded sampling, stop strings and penalties. Each request's tokens equal its solo run
-(an aborted one's, up to where it stopped), every request finishes, no KV page leaks.
+seeded sampling, stop strings and penalties, in float32 and bfloat16. Each request's
+tokens equal its solo run bit for bit (an aborted one's, up to where it stopped: batch
+invariance, docs/kernels.md), every request finishes, no KV page leaks.
 
 SGLITE_FUZZ_EXAMPLES sets how many workloads run (default 1000 per CI run; 10000 by
 hand for a deeper search); SGLITE_FUZZ_RANDOM=1 draws new workloads instead of CI's
@@ -49,16 +50,16 @@ request = st.tuples(
 
 
 @lru_cache(maxsize=None)
-def engine_for(pool: int, page_size: int, radix: bool, overlap: bool) -> Engine:
+def engine_for(pool: int, page_size: int, radix: bool, overlap: bool, dtype: str = "float32") -> Engine:
     return Engine("tiny-random", max_total_tokens=pool, page_size=page_size, disable_radix_cache=not radix,
                   disable_overlap_schedule=not overlap, max_running_requests=8, log_level="error",
-                  enable_self_check=True)
+                  enable_self_check=True, dtype=dtype)
 
 
 @lru_cache(maxsize=None)
-def solo(prompt: tuple[int, ...], frozen_params: tuple) -> tuple[int, ...]:
+def solo(prompt: tuple[int, ...], frozen_params: tuple, dtype: str = "float32") -> tuple[int, ...]:
     """The request alone on a roomy engine: the reference."""
-    ref = engine_for(4096, 1, False, False)
+    ref = engine_for(4096, 1, False, False, dtype)
     sampling = {k: list(v) if isinstance(v, tuple) else v for k, v in frozen_params}
     return tuple(ref.generate(input_ids=list(prompt), sampling_params=sampling)["output_ids"])
 
@@ -93,16 +94,18 @@ def run_workload(engine: Engine, reqs: list) -> dict[int, str]:
 @given(
     reqs=st.lists(request, min_size=1, max_size=8),
     pool=st.sampled_from([64, 160, 512]),
-    chunk=st.sampled_from([-1, 4, 8, 16]),
+    chunk=st.sampled_from([-1, 1, 4, 8, 16, 64]),
     policy=st.sampled_from(SCHEDULE_POLICIES),
-    page_size=st.sampled_from([1, 4]),
+    page_size=st.sampled_from([1, 4, 16]),
     mixed=st.booleans(),
     radix=st.booleans(),
     overlap=st.booleans(),
+    dtype=st.sampled_from(["float32", "bfloat16"]),
 )
-def test_random_workloads_equal_solo_runs(reqs, pool, chunk, policy, page_size, mixed, radix, overlap):
-    engine = engine_for(pool, page_size, radix, overlap)
-    engine.server_args.chunked_prefill_size = None if chunk == -1 else chunk
+def test_random_workloads_equal_solo_runs(reqs, pool, chunk, policy, page_size, mixed, radix, overlap, dtype):
+    engine = engine_for(pool, page_size, radix, overlap, dtype)
+    # (a chunk is a whole number of pages: below one page, one page)
+    engine.server_args.chunked_prefill_size = None if chunk == -1 else max(chunk, page_size)
     engine.server_args.enable_mixed_chunk = mixed
     engine.scheduler.set_schedule_policy(policy)
     rids = run_workload(engine, reqs)
@@ -111,7 +114,7 @@ def test_random_workloads_equal_solo_runs(reqs, pool, chunk, policy, page_size, 
         res = engine.result(rid)
         reason = res["meta_info"]["finish_reason"]["type"]
         frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in reqs[i][1].items()))
-        want = solo(tuple(reqs[i][0]), frozen)
+        want = solo(tuple(reqs[i][0]), frozen, dtype)
         got = tuple(res["output_ids"])
         assert "error" not in res, res["error"]  # an abort here is the caller's, never a failed round
         if reason == "abort":

@@ -66,6 +66,25 @@ inline T* data(const torch::Tensor& t) {
 
 inline bool is_bf16(const torch::Tensor& t) { return t.scalar_type() == torch::kBFloat16; }
 
+// f(0) + ... + f(n - 1) added in one order whatever n, the data's address or the batch
+// the row came in (batch invariance, docs/kernels.md): lane l adds the terms j = l mod 16
+// in increasing j, then the 16 lanes are added pairwise (l + 8, + 4, + 2, + 1). The
+// compiler vectorizes the lanes without reordering them; `#pragma omp simd reduction`
+// would let it choose the order (peeling to align the data, unrolling by the trip count).
+template <class F>
+inline float ordered_sum(int64_t n, F f) {
+  float lanes[16] = {};
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    for (int64_t l = 0; l < 16; ++l) lanes[l] += f(j + l);
+  }
+  for (int64_t l = 0; j + l < n; ++l) lanes[l] += f(j + l);
+  for (int64_t w = 8; w > 0; w /= 2) {
+    for (int64_t l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+  }
+  return lanes[0];
+}
+
 // exp(x) in a form the compiler vectorizes (std::exp stays a scalar call): x = k ln2 + r
 // with |r| <= ln2/2 (ln2 split in two for exactness), exp(r) by Cephes' degree-7
 // polynomial, 2^k put into the exponent bits. Relative error about 2e-7 (float32's

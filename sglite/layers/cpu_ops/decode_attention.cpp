@@ -1,15 +1,18 @@
-// Paged decode attention on a CPU (sglite: layers/attention/cpu_backend.py).
+// Paged attention on a CPU, one query row at a time (sglite: layers/attention/cpu_backend.py):
+// a decode row, or any row of a prefill (its seq_len is its position + 1).
 //
-// Each one-row request (a decode row) attends to its K/V where req_to_token says they
-// live, read straight from the pool: no gathered copy, no padding. For every (request,
-// KV head) pair, in parallel over torch's intra-op threads: the scores of that KV head's
-// query heads (GQA) against positions 0..seq_len-1, their softmax, and the weighted sum
-// of V. Two passes over the request's slots; the scores wait in a per-thread buffer.
-// With fewer pairs than a few per thread (a batch of one), each request's positions are
-// split into ranges attended in parallel, their softmaxes merged after (split-KV).
-// A head_dim known at compile time (64, 128) lets the compiler unroll and vectorize the
-// inner loops fully; others take the same code with a runtime head_dim. q, the pool and
-// out are float32 or bfloat16 (one type); scores, softmax and sums are float32.
+// Each row attends to its K/V where req_to_token says they live, read straight from the
+// pool: no gathered copy, no padding. Its positions are cut into ranges of kRange that
+// start at multiples of kRange, whatever the batch; every (row, KV head, range) is
+// attended in parallel over torch's intra-op threads (the scores of that KV head's query
+// heads (GQA) against the range, their softmax, the weighted sum of V), then each (row,
+// KV head)'s ranges are merged in order (split-KV, as flash-decoding). So a row's bits
+// depend on its own query, its K/V and its position alone: the same whether it comes
+// alone, in a batch of 64, in a prefill, a prefill chunk or a decode step (batch
+// invariance, docs/kernels.md). A head_dim known at compile time (64, 128) lets the
+// compiler unroll and vectorize the inner loops fully; others take the same code with a
+// runtime head_dim. q, the pool and out are float32 or bfloat16 (one type); scores,
+// softmax and sums are float32, every sum in one fixed order.
 #include <ATen/Parallel.h>
 
 #include "common.h"
@@ -27,8 +30,10 @@ namespace {
 
 using sglite::to_f32;
 
-constexpr int64_t kMaxSplits = 8;      // position ranges per (request, KV head), at most
-constexpr int64_t kMinSplitLen = 64;   // positions per range, at least
+constexpr int64_t kRange = 128;            // positions per range; ranges start at multiples of it
+constexpr int64_t kBlockFloats = 1 << 22;  // partial results held at once (16 MB): rows go in blocks
+
+int64_t ranges_of(int64_t seq_len) { return (seq_len + kRange - 1) / kRange; }
 
 template <class T>
 struct Problem {
@@ -100,10 +105,7 @@ void scores_generic(const float* qf, const T* k_buf, const int64_t* slots, int64
     const T* kp = k_buf + slots[t] * slot_stride;
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qf + g * D;
-      float s = 0.f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t d = 0; d < D; ++d) s += qg[d] * to_f32(kp[d]);
-      s *= scale;
+      const float s = sglite::ordered_sum(D, [qg, kp](int64_t d) { return qg[d] * to_f32(kp[d]); }) * scale;
       scores[g * L + t] = s;
       top[g] = std::max(top[g], s);
     }
@@ -150,14 +152,8 @@ void attend_range(const Problem<T>& p, int64_t D, int64_t r, int64_t kh, int64_t
   }
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores.data() + g * L;
-    float total = 0.f;
     const float m = top[g];
-#pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < L; ++t) {
-      sg[t] = sglite::exp_vec(sg[t] - m);
-      total += sg[t];
-    }
-    sum[g] = total;
+    sum[g] = sglite::ordered_sum(L, [sg, m](int64_t t) { return sg[t] = sglite::exp_vec(sg[t] - m); });
   }
   std::fill(acc, acc + G * D, 0.f);
   if constexpr (kVector) {
@@ -167,19 +163,20 @@ void attend_range(const Problem<T>& p, int64_t D, int64_t r, int64_t kh, int64_t
   }
 }
 
-// out rows of one (request, KV head) from S partial results over consecutive position
-// ranges (S = 1: just the normalization): softmax merged by the ranges' maxima and sums
+// out rows of one (row, KV head) from its S ranges' partial results, merged in range
+// order: softmax rescaled by the ranges' maxima and sums (S = 1: the normalization)
 template <class T>
 void write_merged(const Problem<T>& p, int64_t D, int64_t r, int64_t kh, int64_t S, const float* top,
-                  const float* sum, const float* acc) {
+                  const float* sum, const float* acc, std::vector<float>& w) {
   const int64_t G = p.H / p.KVH;
   T* oh = p.out + p.q_rows[r] * p.H * D + kh * G * D;
+  w.resize(S);
   for (int64_t g = 0; g < G; ++g) {
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t s = 0; s < S; ++s) m = std::max(m, top[s * G + g]);
-    float total = 0.f, w[kMaxSplits];
+    float total = 0.f;
     for (int64_t s = 0; s < S; ++s) {
-      w[s] = sum[s * G + g] > 0.f ? sglite::exp_vec(top[s * G + g] - m) : 0.f;
+      w[s] = sglite::exp_vec(top[s * G + g] - m);
       total += w[s] * sum[s * G + g];
     }
     const float inv = 1.f / total;
@@ -191,42 +188,54 @@ void write_merged(const Problem<T>& p, int64_t D, int64_t r, int64_t kh, int64_t
   }
 }
 
-// kD > 0: head_dim fixed at compile time; kD == 0: head_dim = d_runtime.
-// Work items are (request, KV head) pairs; when there are fewer than a few per thread (a
-// batch of one or two), each request's positions are split into up to kMaxSplits ranges
-// of at least kMinSplitLen, attended in parallel and merged (split-KV, as flash-decoding):
-// otherwise one thread would do two KV heads while the other waits.
+// Rows r0..r1-1: every (row, KV head, range) attended in parallel, each row's items
+// together (base[i]: the first item of row r0 + i; a row has KVH x its ranges), then
+// every (row, KV head)'s ranges merged. Which thread takes which item changes nothing.
+template <int64_t kD, class T>
+void attend_rows(const Problem<T>& p, int64_t D, int64_t r0, int64_t r1) {
+  const int64_t G = p.H / p.KVH;
+  std::vector<int64_t> base(r1 - r0 + 1, 0);
+  for (int64_t r = r0; r < r1; ++r) base[r - r0 + 1] = base[r - r0] + p.KVH * ranges_of(p.seq_lens[r]);
+  const int64_t items = base.back();
+  std::vector<float> top(items * G), sum(items * G), acc(items * G * D);
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qf(G * D);
+    int64_t i = std::upper_bound(base.begin(), base.end(), begin) - base.begin() - 1;
+    for (int64_t item = begin; item < end; ++item) {
+      while (base[i + 1] <= item) ++i;
+      const int64_t r = r0 + i, L = p.seq_lens[r], S = ranges_of(L), local = item - base[i];
+      const int64_t kh = local / S, t0 = (local % S) * kRange, t1 = std::min(L, t0 + kRange);
+      attend_range<kD>(p, D, r, kh, t0, t1, qf, scores, top.data() + item * G, sum.data() + item * G,
+                       acc.data() + item * G * D);
+    }
+  });
+  at::parallel_for(r0, r1, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> w;
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t S = ranges_of(p.seq_lens[r]);
+      for (int64_t kh = 0; kh < p.KVH; ++kh) {
+        const int64_t first = base[r - r0] + kh * S;
+        write_merged(p, D, r, kh, S, top.data() + first * G, sum.data() + first * G, acc.data() + first * G * D, w);
+      }
+    }
+  });
+}
+
+// kD > 0: head_dim fixed at compile time; kD == 0: head_dim = d_runtime. Rows go in
+// blocks whose partial results fit kBlockFloats (a long prefill has many rows of many
+// ranges; at least one row a block).
 template <int64_t kD, class T>
 void decode_attention_impl(const Problem<T>& p, int64_t d_runtime) {
   const int64_t D = kD > 0 ? kD : d_runtime;
-  const int64_t G = p.H / p.KVH, pairs = p.n * p.KVH;
-  const int64_t want = 4 * at::get_num_threads();
-  const int64_t S = pairs >= want ? 1 : std::min<int64_t>(kMaxSplits, (want + pairs - 1) / pairs);
-  std::vector<float> top(pairs * S * G), sum(pairs * S * G), acc(pairs * S * G * D);
-  at::parallel_for(0, pairs * S, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qf(G * D);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t pair = item / S, s = item % S, r = pair / p.KVH, kh = pair % p.KVH;
-      const int64_t L = p.seq_lens[r];
-      // a short request uses fewer ranges; an empty range leaves sum = 0 (weight 0 when merged)
-      const int64_t len = std::max<int64_t>(kMinSplitLen, (L + S - 1) / S);
-      const int64_t t0 = std::min(L, s * len), t1 = std::min(L, t0 + len);
-      float* tp = top.data() + item * G;
-      float* sp = sum.data() + item * G;
-      if (t0 == t1) {
-        std::fill(tp, tp + G, -std::numeric_limits<float>::infinity());
-        std::fill(sp, sp + G, 0.f);
-        continue;
-      }
-      attend_range<kD>(p, D, r, kh, t0, t1, qf, scores, tp, sp, acc.data() + item * G * D);
+  const int64_t per_range = p.H * D;  // floats of one range's sums over every KV head's G query heads
+  for (int64_t r0 = 0; r0 < p.n;) {
+    int64_t r1 = r0 + 1, floats = ranges_of(p.seq_lens[r0]) * per_range;
+    while (r1 < p.n && floats + ranges_of(p.seq_lens[r1]) * per_range <= kBlockFloats) {
+      floats += ranges_of(p.seq_lens[r1++]) * per_range;
     }
-  });
-  at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair) {
-      write_merged(p, D, pair / p.KVH, pair % p.KVH, S, top.data() + pair * S * G, sum.data() + pair * S * G,
-                   acc.data() + pair * S * G * D);
-    }
-  });
+    attend_rows<kD>(p, D, r0, r1);
+    r0 = r1;
+  }
 }
 
 template <class T>

@@ -12,9 +12,9 @@
 // takes the GIL back between every two ops: in the overlap loop the scheduler's Python
 // runs beside the whole forward instead of taking turns with it.
 //
-// float32 or bfloat16. With bfloat16 the linear layers' weights come packed
-// (convert_weight_packed; gemm.cpp runs them, as the modules' linear layers do) and the
-// logits are float32 sums of the packed LM head.
+// float32 or bfloat16. The linear layers' weights come packed (convert_weight_packed;
+// gemm.cpp runs them, as the modules' linear layers do) and the logits are float32 sums
+// of the packed LM head.
 //
 // The graph holds the model's parameters and the KV pool's per-layer buffers (the same
 // storage, not copies), handed over once by add_layer.
@@ -50,7 +50,6 @@ DecodeGraph::DecodeGraph(torch::Tensor embed, torch::Tensor final_norm, torch::T
   TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && head_dim > 0 && num_heads % num_kv_heads == 0,
               "DecodeGraph: bad head counts");
   sglite::check_cpu_float(embed_, "embed");
-  TORCH_CHECK(!packed || sglite::is_bf16(embed_), "DecodeGraph: packed weights go with a bfloat16 model");
   TORCH_CHECK(embed_.dim() == 2, "embed must be [vocab, hidden]");
   hidden_ = embed_.size(1);
   vocab_ = embed_.size(0);

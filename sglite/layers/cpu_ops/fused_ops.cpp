@@ -28,9 +28,7 @@ template <class T>
 void rmsnorm_rows(const T* x, const T* w, T* out, int64_t n, int64_t hidden, float eps) {
   for (int64_t i = 0; i < n; ++i) {
     const T* xi = x + i * hidden;
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t j = 0; j < hidden; ++j) ss += to_f32(xi[j]) * to_f32(xi[j]);
+    const float ss = sglite::ordered_sum(hidden, [xi](int64_t j) { return to_f32(xi[j]) * to_f32(xi[j]); });
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
     T* oi = out + i * hidden;
 #pragma omp simd

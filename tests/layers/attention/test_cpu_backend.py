@@ -1,5 +1,5 @@
-"""CpuAttnBackend (torch_native with decode rows read by the C++ kernel straight from the
-KV pool) against attention written out per request in float64; the kernel's checks and
+"""CpuAttnBackend (every query row, decode or prefill, read by the C++ kernel straight
+from the KV pool) against attention written out per request in float64; the kernel's checks and
 rows it must leave alone; how the backend is chosen and what happens when the kernel
 cannot be built; an engine on it gives torch_native's tokens."""
 
@@ -30,17 +30,15 @@ def test_decode_equals_reference(heads, kv_heads, head_dim):
     case = make_paged_case([3, 400, 17, 90, 0, 55, 8], [1] * 7, heads, kv_heads, head_dim, decode=True, seed=2)
     backend = CpuAttnBackend()
     backend.init_forward_metadata(case.forward_batch)
-    assert not backend._chunks and not backend._views and not backend._groups  # all seven through the kernel
-    assert backend._rows.tolist() == list(range(7))
+    assert backend._rows.tolist() == list(range(7))  # all seven through the kernel
     check(case)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("prefix_lens", [[400], [30], [0], [700, 5]])
-def test_a_small_batch_splits_positions_across_threads(prefix_lens, dtype):
-    """Fewer (request, KV head) pairs than a few per thread: each request's positions are
-    attended in ranges in parallel and the softmaxes merged (one range when a request is
-    shorter than a range: the others are empty); the result is float64 attention's."""
+def test_positions_in_ranges_merged_give_float64_attention(prefix_lens, dtype):
+    """A request's positions are attended in ranges of 128 in parallel and the softmaxes
+    merged (one range when the request is shorter); the result is float64 attention's."""
     case = make_paged_case(prefix_lens, [1] * len(prefix_lens), 9, 3, 64, decode=True, dtype=dtype, seed=7)
     tol = 1e-5 if dtype == torch.float32 else 2.0**-6
     got = run_attention(CpuAttnBackend(), case)
@@ -58,7 +56,7 @@ def test_rows_sharing_a_cached_prefix_go_through_the_kernel_too(monkeypatch):
     assert len(native._groups) == 2
     backend = CpuAttnBackend()
     backend.init_forward_metadata(case.forward_batch)
-    assert not backend._groups and sorted(backend._rows.tolist()) == list(range(8))
+    assert sorted(backend._rows.tolist()) == list(range(8))
     check(case)
 
 
@@ -67,9 +65,9 @@ def test_mixed_batch_of_prefill_and_one_row_requests():
     case = make_paged_case([0, 25, 12, 70, 3], [6, 1, 1, 4, 1], 9, 3, 64, seed=4)
     backend = CpuAttnBackend()
     backend.init_forward_metadata(case.forward_batch)
-    starts = case.forward_batch.extend_start_loc.tolist()
-    assert sorted(backend._rows.tolist()) == [starts[1], starts[2], starts[4]]
-    assert [v.q_len for v in backend._views] == [6, 4]
+    # every row through the kernel, each as long as its position + 1
+    assert backend._rows.tolist() == list(range(6 + 1 + 1 + 4 + 1))
+    assert backend._seq_lens.tolist() == [1, 2, 3, 4, 5, 6, 26, 13, 71, 72, 73, 74, 4]
     check(case)
 
 
