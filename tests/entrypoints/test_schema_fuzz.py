@@ -16,14 +16,14 @@ from sglite.entrypoints.http_server import GENERATE_FIELDS
 from sglite.sampling.sampling_params import SamplingParams
 from tests.entrypoints.test_http_server import Server
 
-EXAMPLES = 20  # per operation and mode: a small budget for CI (about 700 requests in all)
+EXAMPLES = 12  # per operation and mode: a small budget for CI (about 400 requests in all)
 
 
 @pytest.fixture(scope="module")
 def fuzzed_server():
     # a short context keeps every drawn max_new_tokens quick; /debug/control stays off (a
     # drawn "pause" would stop the scheduler for the rest of the run)
-    s = Server("--context-length", "128")
+    s = Server("--context-length", "64")
     yield s
     rc, err = s.stop()
     assert rc == 0 and "Traceback" not in err, err

@@ -12,6 +12,7 @@ import random
 import re
 import subprocess
 import sys
+from functools import lru_cache
 
 import pytest
 
@@ -34,9 +35,17 @@ def workload(n: int, vocab: int, seed: int = 1) -> tuple[list[list[int]], list[d
     return prompts, params
 
 
-def solo_runs(model: str, prompts: list[list[int]], params: list[dict]) -> list[list[int]]:
+@lru_cache(maxsize=None)
+def _solo(model: str, n: int, vocab: int, seed: int) -> tuple[tuple[int, ...], ...]:
+    prompts, params = workload(n, vocab, seed)
     with Engine(model, dtype="bfloat16", log_level="error") as engine:
-        return [engine.generate(input_ids=p, sampling_params=sp)["output_ids"] for p, sp in zip(prompts, params)]
+        return tuple(tuple(engine.generate(input_ids=p, sampling_params=sp)["output_ids"])
+                     for p, sp in zip(prompts, params))
+
+
+def solo_runs(model: str, n: int, vocab: int, seed: int = 1) -> list[list[int]]:
+    """Each request of ``workload(n, vocab, seed)`` alone on a roomy engine (computed once)."""
+    return [list(out) for out in _solo(model, n, vocab, seed)]
 
 
 def pressured_run(model: str, prompts: list[list[int]], params: list[dict], **server_args) -> list[list[int]]:
@@ -55,7 +64,7 @@ def pressured_run(model: str, prompts: list[list[int]], params: list[dict], **se
 def test_bfloat16_tokens_equal_solo_runs_under_pressure(overlap, mixed):
     prompts, params = workload(24, 500)
     got = pressured_run("tiny-random", prompts, params, disable_overlap_schedule=not overlap, enable_mixed_chunk=mixed)
-    assert got == solo_runs("tiny-random", prompts, params)
+    assert got == solo_runs("tiny-random", 24, 500)
 
 
 @pytest.mark.real_model
@@ -65,12 +74,12 @@ def test_smollm2_bfloat16_tokens_equal_solo_runs_under_pressure(overlap):
     prompts, params = workload(12, 49000)
     got = pressured_run("smollm2-135m", prompts, params, max_total_tokens=300, enable_mixed_chunk=True,
                         disable_overlap_schedule=not overlap)
-    assert got == solo_runs("smollm2-135m", prompts, params)
+    assert got == solo_runs("smollm2-135m", 12, 49000)
 
 
 def test_an_aborted_request_submitted_again_gets_its_solo_tokens():
     prompts, params = workload(8, 500, seed=3)
-    want = solo_runs("tiny-random", prompts, params)
+    want = solo_runs("tiny-random", 8, 500, seed=3)
     with Engine("tiny-random", dtype="bfloat16", log_level="error", **PRESSURE) as engine:
         rids = [engine.submit(input_ids=p, sampling_params=sp) for p, sp in zip(prompts, params)]
         for _ in range(6):
@@ -96,13 +105,19 @@ def record(path, n: int = 24) -> None:
     recorder.close()
 
 
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bf16") / "a.jsonl"
+    record(path)
+    return load(str(path))
+
+
 @pytest.mark.parametrize("overrides", [{"chunked_prefill_size": 2}, {"enable_mixed_chunk": True},
                                        {"schedule_policy": "fcfs", "max_total_tokens": 2000},
                                        {"disable_radix_cache": True}, {"page_size": 4}],
                          ids=lambda o: ",".join(o))
-def test_a_bfloat16_rerun_with_other_scheduling_reports_every_output_the_same(tmp_path, overrides):
-    record(tmp_path / "a.jsonl")
-    rec = load(str(tmp_path / "a.jsonl"))
+def test_a_bfloat16_rerun_with_other_scheduling_reports_every_output_the_same(recording, overrides):
+    rec = recording
     header, rows = diff_table(rec.events, rerun(rec, overrides))
     assert header[-1] == "output" and len(rows) == 24
     assert [row[-1] for row in rows] == ["same"] * 24
