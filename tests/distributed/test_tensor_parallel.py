@@ -67,6 +67,19 @@ def _follower_pids(engine: Engine) -> list[int]:
     return [p.pid for p in engine._tp_followers]
 
 
+def test_tp2_in_bfloat16_is_batch_invariant_within_itself():
+    """tp 2's all-reduce adds the two shards' partial sums, so in bfloat16 it may part
+    from tp 1 (docs/tensor_parallel.md); within tp 2 a request's tokens still do not
+    depend on its batch: under the pressure above, each equals its solo tp 2 run."""
+    prompts, params = workload()
+    seeded = [dict(p, temperature=0.8, seed=i) if i % 3 == 0 else p for i, p in enumerate(params)]
+    with Engine("tiny-random", tp_size=2, dtype="bfloat16", log_level="error") as engine:
+        solo = [engine.generate(input_ids=p, sampling_params=sp)["output_ids"] for p, sp in zip(prompts, seeded)]
+    with Engine("tiny-random", tp_size=2, dtype="bfloat16", log_level="error", **PRESSURE) as engine:
+        batched = engine.generate(input_ids=prompts, sampling_params=seeded)
+    assert [o["output_ids"] for o in batched] == solo
+
+
 def test_a_rank_that_dies_stops_the_engine_with_an_error_naming_it():
     cpu_before = (os.sched_getaffinity(0), torch.get_num_threads())
     engine = Engine("tiny-random", tp_size=2, log_level="error", max_total_tokens=512)
