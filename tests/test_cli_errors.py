@@ -3,6 +3,7 @@ exit status, never a traceback (docs/reliability.md)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -68,22 +69,41 @@ def test_bad_commands_fail_in_one_line(capsys, what, argv, message):
     assert message in err and "Traceback" not in err and len(err.splitlines()) == 1, err
 
 
+# every bad command in turn in one interpreter: its exit status, its stderr, and whether
+# torch had been imported by then (once imported it stays, so the first case that loads
+# it is the one named)
 NOTHING_LOADED = """
-import sys
+import contextlib, io, json, sys
 from sglite.cli import main
-rc = main(sys.argv[1:])
-print(rc, "torch" in sys.modules)
+results = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as e:
+            rc = e.code
+    results.append([rc, err.getvalue(), "torch" in sys.modules])
+print(json.dumps(results))
 """
 
 
+@pytest.fixture(scope="module")
+def one_interpreter() -> dict[str, tuple[int, str, bool]]:
+    argvs = [argv for _, argv, _ in BAD_COMMANDS]
+    proc = subprocess.run([sys.executable, "-c", NOTHING_LOADED, json.dumps(argvs)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return {what: tuple(r) for (what, _, _), r in zip(BAD_COMMANDS, json.loads(proc.stdout))}
+
+
 @pytest.mark.parametrize("what,argv,message", BAD_COMMANDS, ids=[c[0] for c in BAD_COMMANDS])
-def test_bad_arguments_are_refused_before_anything_loads(what, argv, message):
+def test_bad_arguments_are_refused_before_anything_loads(one_interpreter, what, argv, message):
     """Argument errors come before any loading: torch (0.8 s to import, then the model)
-    is never imported."""
-    proc = subprocess.run([sys.executable, "-c", NOTHING_LOADED, *argv], capture_output=True, text=True, timeout=120)
-    rc, torch_loaded = proc.stdout.split()
-    assert rc != "0" and torch_loaded == "False", (proc.stdout, proc.stderr)
-    assert message in proc.stderr
+    is never imported. (All cases run in one fresh interpreter, in order.)"""
+    rc, err, torch_loaded = one_interpreter[what]
+    assert rc != 0 and not torch_loaded, (rc, err)
+    assert message in err
 
 
 # --tp-size the model's heads cannot be cut by: found from the config in the launching

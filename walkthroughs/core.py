@@ -33,6 +33,9 @@ class Narrator:
     stream: TextIO = field(default_factory=lambda: sys.stdout)
     checks: list[str] = field(default_factory=list)
     diagrams: list[Path] = field(default_factory=list)
+    # narrates the same run once more (in the other language): a walkthrough never reads
+    # its narrator's language, so one run told twice is the two runs told once each
+    mirror: "Narrator | None" = None
 
     def _pick(self, en: str, zh: str) -> str:
         return zh if self.lang == "zh" else en
@@ -40,9 +43,13 @@ class Narrator:
     def title(self, en: str, zh: str) -> None:
         text = self._pick(en, zh)
         self.stream.write(f"\n{text}\n{'=' * min(78, len(text) * (2 if self.lang == 'zh' else 1))}\n")
+        if self.mirror is not None:
+            self.mirror.title(en, zh)
 
     def step(self, en: str, zh: str) -> None:
         self.stream.write(f"\n## {self._pick(en, zh)}\n")
+        if self.mirror is not None:
+            self.mirror.step(en, zh)
 
     def say(self, en: str, zh: str) -> None:
         text = textwrap.dedent(self._pick(en, zh)).strip()
@@ -51,9 +58,13 @@ class Narrator:
                 self.stream.write("".join(line.strip() for line in para.splitlines()) + "\n\n")
             else:
                 self.stream.write(textwrap.fill(" ".join(para.split()), 88) + "\n\n")
+        if self.mirror is not None:
+            self.mirror.say(en, zh)
 
     def code(self, text: str) -> None:
         self.stream.write(textwrap.indent(textwrap.dedent(text).strip("\n"), "    ") + "\n\n")
+        if self.mirror is not None:
+            self.mirror.code(text)
 
     def table(self, headers: list[str], rows: list[list[Any]]) -> None:
         cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
@@ -63,6 +74,8 @@ class Narrator:
         for r in cells[1:]:
             self.stream.write(line(r) + "\n")
         self.stream.write("\n")
+        if self.mirror is not None:
+            self.mirror.table(headers, rows)
 
     def check(self, actual: Any, expected: Any, en: str, zh: str) -> None:
         what = self._pick(en, zh)
@@ -70,6 +83,8 @@ class Narrator:
             raise WalkthroughFailed(f"{what}: expected {expected!r}, the engine gave {actual!r}")
         self.checks.append(what)
         self.stream.write(f"  ✓ {what} = {actual!r}\n")
+        if self.mirror is not None:
+            self.mirror.check(actual, expected, en, zh)
 
     def diagram(self, name: str, dot_source: str) -> list[Path]:
         """Write ``name.dot``; render SVG (and PNG when asked) where graphviz's ``dot`` exists."""
@@ -90,6 +105,8 @@ class Narrator:
             self.stream.write(f"  (graphviz 'dot' not found: wrote {dot_path.name} only)\n")
         self.diagrams.extend(made)
         self.stream.write(f"  diagram: {', '.join(p.name for p in made)}\n")
+        if self.mirror is not None:
+            self.mirror.diagram(name, dot_source)
         return made
 
 

@@ -378,17 +378,25 @@ def test_a_served_recording_reruns_offline_event_for_event(tmp_path):
     srv = Server("--record", str(path), "--max-total-tokens", "300", "--chunked-prefill-size", "32",
                  "--schedule-conservativeness", "0.05")
     try:
-        def run(i: int) -> str:
-            # 12 requests of 6-49 prompt tokens + 40 new ones: about 2.4x the 300-token pool,
-            # so requests are retracted whenever enough of them run at once
-            body = {"text": f"{PROMPTS[i % 4]} " * (1 + i % 5) + str(i), "sampling_params": {
-                "max_new_tokens": new_tokens, "temperature": 0.0 if i % 2 else 0.7, "ignore_eos": True}}
+        def params(i: int) -> dict:
+            return {"max_new_tokens": new_tokens, "temperature": 0.0 if i % 2 else 0.7, "ignore_eos": True}
+
+        def text(i: int) -> str:
+            return f"{PROMPTS[i % 4]} " * (1 + i % 5) + str(i)
+
+        def run(ids: list[int]) -> list[str]:
+            # 12 requests of 6-49 prompt tokens + 40 new ones: about 2.4x the 300-token pool.
+            # Requests 0-5 come as one batch, so that at least six run at once and some are
+            # retracted however the other six's arrivals spread over the iterations.
+            body = ({"text": [text(i) for i in ids], "sampling_params": [params(i) for i in ids]} if len(ids) > 1
+                    else {"text": text(ids[0]), "sampling_params": params(ids[0])})
             r = httpx.post(f"{srv.url}/generate", json=body, timeout=120)
             assert r.status_code == 200, r.text
-            return r.json()["text"]
+            out = r.json()
+            return [o["text"] for o in out] if len(ids) > 1 else [out["text"]]
 
-        with concurrent.futures.ThreadPoolExecutor(12) as pool:
-            served = list(pool.map(run, range(12)))
+        with concurrent.futures.ThreadPoolExecutor(7) as pool:
+            served = [t for texts in pool.map(run, [list(range(6))] + [[i] for i in range(6, 12)]) for t in texts]
     finally:
         srv.stop()
     rec = load(str(path))
