@@ -79,6 +79,11 @@ ABLATIONS = [
     # on a CPU the default attention backend is cpu (decode rows read by a C++ kernel)
     Ablation("torch-native", "sglite, torch_native attention", {"attention_backend": "torch_native"},
              workloads=("random-lengths",)),
+    # --disable-deterministic-inference: on a CPU the same kernels run (the cpu backend is
+    # batch-invariant by construction), so this row shows there is nothing to buy back
+    # there; on CUDA (triton) it is the untiled extend kernel and batch-sized decode splits
+    Ablation("deterministic-off", "sglite, deterministic inference off", {"enable_deterministic_inference": False},
+             workloads=("shared-prefix", "one-chat"), default=False),
     # --dtype auto is bfloat16 on CPUs with bfloat16 dot products: the float32 row beside it
     Ablation("float32", "sglite, float32", {"dtype": "float32"}, workloads=("shared-prefix", "random-lengths",
                                                                           "one-chat")),

@@ -70,6 +70,15 @@ class ServerArgs:
         "and RMSNorm, SiLU-and-mul and RoPE in C++ (built on first use; float32 or bfloat16, whose linears run "
         "packed). triton runs them as fused Triton kernels; on CPU it needs TRITON_INTERPRET=1 (tests)",
         choices=("auto", "cpu", "torch_native", "triton"))
+    enable_deterministic_inference: bool = _opt(
+        True, "batch invariance (SGLang's flag; on by default here): a request's tokens do not depend on what it is "
+        "batched with, how its prompt is chunked or whether its prefix came from the cache. The cpu backend is "
+        "always so; triton cuts each row's KV into fixed triton_attention_split_tile_size splits and runs extend "
+        "rows through its decode kernel; torch_native is not batch-invariant (docs/kernels.md)",
+        negative="--disable-deterministic-inference")
+    triton_attention_split_tile_size: int | None = _opt(
+        None, "positions per KV split of the triton decode kernel when deterministic (default 256; a multiple "
+        "of 64)")
     disable_cuda_graph: bool = _opt(False, "do not capture decode in CUDA graphs (CUDA with the triton backend only)")
     cuda_graph_max_bs: int | None = _opt(None, "largest decode batch captured in a CUDA graph; larger batches run "
                                          "eagerly (default: min(128, max_running_requests))")
@@ -102,6 +111,9 @@ class ServerArgs:
             raise ValueError("chunked_prefill_size must be a multiple of page_size")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.triton_attention_split_tile_size is not None and self.triton_attention_split_tile_size % 64:
+            raise ValueError("triton_attention_split_tile_size must be a multiple of 64 (the decode kernel's KV "
+                             f"block), got {self.triton_attention_split_tile_size}")
 
     def _check_tp(self) -> None:
         if self.tp_size < 1 or self.nnodes < 1:
@@ -136,7 +148,8 @@ class ServerArgs:
                     "max_running_requests": self.max_running_requests, "max_prefill_tokens": self.max_prefill_tokens,
                     "decode_log_interval": self.decode_log_interval, "cuda_graph_max_bs": self.cuda_graph_max_bs,
                     "stream_interval": self.stream_interval,
-                    "page_size": self.page_size, "schedule_conservativeness": self.schedule_conservativeness,
+                    "page_size": self.page_size, "triton_attention_split_tile_size": self.triton_attention_split_tile_size,
+                    "schedule_conservativeness": self.schedule_conservativeness,
                     "waiting_timeout": self.waiting_timeout, "running_timeout": self.running_timeout}
         for name, v in positive.items():
             if v is not None and v <= 0:
@@ -162,6 +175,12 @@ class ServerArgs:
         for f in dataclasses.fields(ServerArgs):
             flag = "--" + f.name.replace("_", "-")
             help_text = f.metadata.get("help", "")
+            if f.type in ("bool", bool) and "negative" in f.metadata:  # on by default, with SGLang's flag too
+                both = group.add_mutually_exclusive_group()
+                both.add_argument(flag, dest=f.name, action="store_const", const=True, default=f.default, help=help_text)
+                both.add_argument(f.metadata["negative"], dest=f.name, action="store_const", const=False,
+                                  help=f"the opposite of {flag}")
+                continue
             if f.type in ("bool", bool):
                 action = argparse.BooleanOptionalAction if f.default else "store_true"
                 group.add_argument(flag, action=action, default=f.default, help=help_text)

@@ -46,3 +46,24 @@ def test_the_engine_runs_the_loop_it_was_given():
     assert engine.scheduler.enable_overlap is True
     out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3, "temperature": 0})
     assert len(out["output_ids"]) == 3
+
+
+def test_deterministic_inference_is_on_by_default_and_sglang_s_flag_is_accepted(capsys):
+    assert parse().enable_deterministic_inference is True
+    assert parse("--enable-deterministic-inference").enable_deterministic_inference is True
+    assert parse("--disable-deterministic-inference").enable_deterministic_inference is False
+    assert parse("--triton-attention-split-tile-size", "128").triton_attention_split_tile_size == 128
+    with pytest.raises(SystemExit):
+        parse("--enable-deterministic-inference", "--disable-deterministic-inference")
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_a_torch_native_engine_says_it_is_not_batch_invariant(caplog):
+    with caplog.at_level("WARNING", logger="sglite"):
+        Engine("tiny-random", attention_backend="torch_native", max_total_tokens=256).shutdown()
+    assert "torch_native is not batch-invariant" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="sglite"):
+        Engine("tiny-random", attention_backend="torch_native", max_total_tokens=256,
+               enable_deterministic_inference=False).shutdown()
+    assert "batch-invariant" not in caplog.text

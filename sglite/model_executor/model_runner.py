@@ -235,22 +235,37 @@ class ModelRunner:
                 module.cos_sin_cache = module._compute_cos_sin_cache().to(self.device)
         model.load_weights((k, v.to(self.device, self.dtype)) for k, v in weights.items())
         model.eval()
-        if self.attention_backend == "cpu" and self.dtype in (torch.bfloat16, torch.float32):
+        if self._packs_linears():
             # the C++ linears (layers/linear.py): fast in bfloat16, and in either dtype each
             # output sums its products in one order whatever the batch (torch's float32
             # F.linear does not: docs/kernels.md, "Batch invariance")
             model.pack_linear_weights()
         return model
 
+    def _packs_linears(self) -> bool:
+        """The cpu backend always; triton on a CPU (the interpreter) when deterministic,
+        so that its batch invariance holds end to end there too."""
+        if self.device != "cpu" or self.dtype not in (torch.bfloat16, torch.float32):
+            return False
+        if self.attention_backend == "cpu":
+            return True
+        return (self.attention_backend == "triton" and self.server_args.enable_deterministic_inference
+                and not _cpu_ops_unavailable())
+
     def _build_attn_backend(self) -> AttentionBackend:
         if self.attention_backend == "triton":
             from sglite.layers.attention.triton_backend import TritonAttnBackend
 
-            return TritonAttnBackend(self.device, self.num_kv_heads)
+            sa = self.server_args
+            tile = (sa.triton_attention_split_tile_size or 256) if sa.enable_deterministic_inference else 0
+            return TritonAttnBackend(self.device, self.num_kv_heads, split_tile=tile, context_len=self.context_len)
         if self.attention_backend == "cpu":
             from sglite.layers.attention.cpu_backend import CpuAttnBackend
 
             return CpuAttnBackend()
+        if self.server_args.enable_deterministic_inference and self.tp_rank == 0:
+            logger.warning("attention backend torch_native is not batch-invariant: a request's tokens may depend on "
+                           "what it is batched with (the cpu backend's is not; docs/kernels.md, 'Batch invariance')")
         return TorchNativeAttnBackend()
 
     def init_cuda_graphs(self) -> None:

@@ -114,6 +114,8 @@ BAD_SERVER_ARGS: list[tuple[str, dict, str]] = [
     ("random_seed=-1", {"random_seed": -1}, "random_seed must be in"),
     ("waiting_timeout=0", {"waiting_timeout": 0}, "waiting_timeout must be positive"),
     ("enable_mixed_chunk='yes'", {"enable_mixed_chunk": "yes"}, "enable_mixed_chunk must be true or false"),
+    ("triton_attention_split_tile_size=100", {"triton_attention_split_tile_size": 100},
+     "triton_attention_split_tile_size must be a multiple of 64"),
     ("an unknown server argument", {"max_batch": 4}, "unknown server argument"),
 ]
 

@@ -14,6 +14,14 @@ never per sequence length, so a CUDA graph captured for a batch size replays for
 lengths. Each request's split length is computed in the kernel from its own
 ``seq_len`` (rounded up to whole blocks, so a short request uses fewer splits and the
 rest are empty), which is also what stage 2 recomputes to skip the empty ones.
+
+Batch invariance (``split_tile > 0``; ``--enable-deterministic-inference``, on by
+default): every split is ``split_tile`` positions long, starting at multiples of it, so a
+row's KV is cut at the same places whatever the batch size or the number of splits, and
+stage 2 merges the splits in position order. Trailing empty splits change nothing (their
+weight is exactly 0 and their scale exactly 1). A query row then gets the same bits
+alone or in any batch, and (through ``TritonAttnBackend``, which sends extend rows here
+too) in a prefill, a prefill chunk, a mixed round or a decode step.
 """
 
 from __future__ import annotations
@@ -28,7 +36,9 @@ MAX_KV_SPLITS = 16
 
 
 @triton.jit
-def _split_len(seq_len, NUM_KV_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_len(seq_len, NUM_KV_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILE: tl.constexpr):
+    if SPLIT_TILE > 0:  # batch-invariant: fixed positions, a multiple of BLOCK_N
+        return SPLIT_TILE + 0 * seq_len
     return tl.cdiv(tl.cdiv(seq_len, NUM_KV_SPLITS), BLOCK_N) * BLOCK_N
 
 
@@ -40,6 +50,7 @@ def _decode_grouped_stage1(
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     KV_GROUP_NUM: tl.constexpr, Q_HEAD_NUM: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_KV_SPLITS: tl.constexpr,
+    SPLIT_TILE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -53,7 +64,7 @@ def _decode_grouped_stage1(
 
     seq_len = tl.load(Seq_lens + b)
     req = tl.load(Req_pool_indices + b).to(tl.int64)
-    split_len = _split_len(seq_len, NUM_KV_SPLITS, BLOCK_N)
+    split_len = _split_len(seq_len, NUM_KV_SPLITS, BLOCK_N, SPLIT_TILE)
     split_start = split * split_len
     split_end = tl.minimum(split_start + split_len, seq_len)
 
@@ -92,13 +103,14 @@ def _decode_softmax_reducev_stage2(
     Mid_O, Mid_LSE, O, Seq_lens,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_KV_SPLITS: tl.constexpr,
+    SPLIT_TILE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     seq_len = tl.load(Seq_lens + b)
-    split_len = _split_len(seq_len, NUM_KV_SPLITS, BLOCK_N)
+    split_len = _split_len(seq_len, NUM_KV_SPLITS, BLOCK_N, SPLIT_TILE)
 
     m = float("-inf")
     denom = 0.0
@@ -121,9 +133,14 @@ def _decode_softmax_reducev_stage2(
     tl.store(O + b * stride_ob + h * stride_oh + offs_d, (acc / denom).to(O.dtype.element_ty), mask=d_mask)
 
 
-def num_kv_splits_for(batch_size: int, num_kv_heads: int, device: torch.device | str) -> int:
+def num_kv_splits_for(batch_size: int, num_kv_heads: int, device: torch.device | str,
+                      split_tile: int = 0, context_len: int = 0) -> int:
     """Enough splits that stage 1 has a few programs per SM (2 splits at least, so the
-    merge is always exercised), at most MAX_KV_SPLITS; fixed per batch size."""
+    merge is always exercised), at most MAX_KV_SPLITS; fixed per batch size. With a fixed
+    ``split_tile``: as many as the longest context needs (fixed per model, so a CUDA graph
+    captured for a batch size still replays for any lengths)."""
+    if split_tile > 0:
+        return max(1, -(-context_len // split_tile))
     if not str(device).startswith("cuda"):
         return 2  # CPU interpreter (tests): a merge to do, few programs to interpret
     want = -(-8 * _sm_count(str(device)) // max(1, batch_size * num_kv_heads))
@@ -148,11 +165,14 @@ def decode_attention_fwd(
     attn_logits: torch.Tensor | None = None,
     attn_lse: torch.Tensor | None = None,
     block_n: int | None = None,
+    split_tile: int = 0,
 ) -> None:
     """q/o: [bs, q_heads, head_dim]; k/v_buffer: [slots, kv_heads, head_dim]; seq_lens
     count the current token, whose K/V must already be in the buffers.
     ``attn_logits`` [bs, q_heads, splits, head_dim] and ``attn_lse`` [bs, q_heads, splits]
-    (float32) hold the partial results; allocated here when not given."""
+    (float32) hold the partial results; allocated here when not given. ``split_tile`` > 0
+    cuts every row's KV at multiples of it (batch-invariant; ``num_kv_splits`` splits must
+    cover the longest ``seq_len``); 0 spreads each row over ``num_kv_splits``."""
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     kv_group_num = num_heads // num_kv_heads
@@ -160,6 +180,8 @@ def decode_attention_fwd(
         return
     # float32 K/V tiles of head dim 128 are twice as large: halve them to fit shared memory
     block_n = block_n or (32 if q.dtype == torch.float32 and head_dim > 64 else 64)
+    if split_tile % block_n:
+        raise ValueError(f"split_tile {split_tile} must be a multiple of the KV block {block_n}")
     if attn_logits is None:
         attn_logits = torch.empty((bs, num_heads, num_kv_splits, head_dim), dtype=torch.float32, device=q.device)
     if attn_lse is None:
@@ -173,12 +195,12 @@ def decode_attention_fwd(
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2), attn_lse.stride(0), attn_lse.stride(1),
         KV_GROUP_NUM=kv_group_num, Q_HEAD_NUM=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(kv_group_num)), BLOCK_N=block_n, NUM_KV_SPLITS=num_kv_splits,
-        num_warps=4, num_stages=2,
+        SPLIT_TILE=split_tile, num_warps=4, num_stages=2,
     )
     _decode_softmax_reducev_stage2[(bs, num_heads)](
         attn_logits, attn_lse, o, seq_lens,
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2), attn_lse.stride(0), attn_lse.stride(1),
         o.stride(0), o.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_KV_SPLITS=num_kv_splits,
-        num_warps=4 if head_dim > 64 else 2,
+        SPLIT_TILE=split_tile, num_warps=4 if head_dim > 64 else 2,
     )
