@@ -21,8 +21,9 @@ LOGITS_TOL = {"rtol": 1e-5, "atol": 1e-4}  # logits ~40 in scale, float32
 def runner(backend: str, **kw) -> ModelRunner:
     # a 256-token context: one KV split of 256 positions per row in deterministic mode
     # (fewer programs for the interpreter); test_triton_invariance.py crosses splits
+    kw.setdefault("context_length", 256)
     return ModelRunner(ServerArgs(model_path="tiny-random", max_total_tokens=256, max_running_requests=8,
-                                  attention_backend=backend, context_length=256, **kw))
+                                  attention_backend=backend, **kw))
 
 
 A_PROMPT = list(range(5, 75))  # 70 tokens: past a KV block of 64 and a split tile of 64
@@ -56,12 +57,13 @@ def test_model_logits_equal_torch_native():
 
 @pytest.mark.skipif(torch.cuda.is_available() or bool(_cpu_ops_unavailable()),
                     reason="CPU only, with its C++ packed linears: cuBLAS's are not batch-invariant (docs/kernels.md)")
-@pytest.mark.parametrize("tile", [64, 256])  # 64: four splits to merge in the 256-token context
+@pytest.mark.parametrize("tile", [64, 256])  # 64: a's 70 tokens cross a split (two, in a 128-token context)
 def test_deterministic_triton_gives_a_request_its_solo_logits_bit_for_bit(tile):
     """Request a's rows among other requests (prefill, MIXED, decode) and alone: every
     logit equal."""
-    batched = seed_rounds("triton", triton_attention_split_tile_size=tile)
-    hs = HandScheduler(runner("triton", triton_attention_split_tile_size=tile))
+    kw = {"triton_attention_split_tile_size": tile, "context_length": 128 if tile == 64 else 256}
+    batched = seed_rounds("triton", **kw)
+    hs = HandScheduler(runner("triton", **kw))
     a = hs.new_seq()
     solo = [hs.extend([(a, A_PROMPT)]), hs.extend([(a, [12])]), hs.decode([(a, 1)]), hs.decode([(a, 5)])]
     assert torch.equal(solo[0], batched[1][: len(A_PROMPT)])
