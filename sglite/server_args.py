@@ -175,7 +175,9 @@ class ServerArgs:
         for f in dataclasses.fields(ServerArgs):
             flag = "--" + f.name.replace("_", "-")
             help_text = f.metadata.get("help", "")
-            if f.type in ("bool", bool) and "negative" in f.metadata:  # on by default, with SGLang's flag too
+            # a flag for True and a named one for False (SGLang's pairs); the default stays
+            # the field's (None: picked by device)
+            if "negative" in f.metadata:
                 both = group.add_mutually_exclusive_group()
                 both.add_argument(flag, dest=f.name, action="store_const", const=True, default=f.default, help=help_text)
                 both.add_argument(f.metadata["negative"], dest=f.name, action="store_const", const=False,
@@ -184,12 +186,6 @@ class ServerArgs:
             if f.type in ("bool", bool):
                 action = argparse.BooleanOptionalAction if f.default else "store_true"
                 group.add_argument(flag, action=action, default=f.default, help=help_text)
-                continue
-            if "negative" in f.metadata:  # bool | None: a flag for True, one for False, None picks by device
-                both = group.add_mutually_exclusive_group()
-                both.add_argument(flag, dest=f.name, action="store_const", const=True, default=None, help=help_text)
-                both.add_argument(f.metadata["negative"], dest=f.name, action="store_const", const=False,
-                                  help=f"the opposite of {flag}")
                 continue
             typ = _parse_type(f.type)
             kw: dict[str, Any] = {"type": typ, "default": f.default, "help": help_text}

@@ -265,7 +265,7 @@ class ModelRunner:
             return CpuAttnBackend()
         if self.server_args.enable_deterministic_inference and self.tp_rank == 0:
             logger.warning("attention backend torch_native is not batch-invariant: a request's tokens may depend on "
-                           "what it is batched with (the cpu backend's is not; docs/kernels.md, 'Batch invariance')")
+                           "what it is batched with (the cpu backend's are not; docs/kernels.md, 'Batch invariance')")
         return TorchNativeAttnBackend()
 
     def init_cuda_graphs(self) -> None:

@@ -432,50 +432,53 @@ def test_cache_unfinished_req_rewrites_duplicates_to_tree_slots():
 TOKENS = st.lists(st.integers(0, 2), min_size=0, max_size=12)
 
 
+EXTRA_KEYS = st.sampled_from([None, "a", "b"])
+
+
 class TreeMachine(RuleBasedStateMachine):
-    """insert / match / lock / unlock / evict against a model of the stored prefixes."""
+    """insert / match / lock / unlock / evict, each under one of a few extra keys (None:
+    the plain tree), against a model of the stored prefixes that keeps each key's apart."""
 
     @initialize(ps=st.sampled_from([1, 2, 4]))
     def setup(self, ps: int) -> None:
         self.ps = ps
         self.cache, _, self.alloc = make_cache(page_size=ps, pool_size=48)
-        # every stored page-aligned prefix -> the slots of its last page
-        self.stored: dict[tuple[int, ...], list[int]] = {(): []}
+        # (extra_key, stored page-aligned prefix) -> the slots of its last page
+        self.stored: dict[tuple[str | None, tuple[int, ...]], list[int]] = {}
         self.locked: list[TreeNode] = []
 
-    def _aligned(self, key: list[int]) -> list[int]:
-        return key[: len(key) // self.ps * self.ps]
-
-    def _expected_match(self, key: list[int]) -> tuple[int, list[int]]:
-        key = self._aligned(key)
+    def _expected_match(self, key: list[int], ek: str | None) -> tuple[int, list[int]]:
+        key = key[: len(key) // self.ps * self.ps]
         j = 0
-        while j + self.ps <= len(key) and tuple(key[: j + self.ps]) in self.stored:
+        while j + self.ps <= len(key) and (ek, tuple(key[: j + self.ps])) in self.stored:
             j += self.ps
-        return j, [s for i in range(self.ps, j + 1, self.ps) for s in self.stored[tuple(key[:i])]]
+        return j, [s for i in range(self.ps, j + 1, self.ps) for s in self.stored[(ek, tuple(key[:i]))]]
 
-    @rule(key=TOKENS)
-    def insert(self, key: list[int]) -> None:
-        key = self._aligned(key)
+    @rule(key=TOKENS, ek=EXTRA_KEYS)
+    def insert(self, key: list[int], ek: str | None) -> None:
+        key = key[: len(key) // self.ps * self.ps]
         slots = self.alloc.alloc(len(key))
         if slots is None:
             return
-        expected_already, _ = self._expected_match(key)
-        already = self.cache.insert(key, slots)
+        expected_already, _ = self._expected_match(key, ek)
+        already = self.cache.insert(key, slots, ek)
         assert already == expected_already
         self.alloc.free(slots[:already])
         for i in range(already + self.ps, len(key) + 1, self.ps):
-            self.stored[tuple(key[:i])] = slots[i - self.ps : i].tolist()
+            self.stored[(ek, tuple(key[:i]))] = slots[i - self.ps : i].tolist()
 
-    @rule(key=TOKENS)
-    def match(self, key: list[int]) -> None:
-        j, slots = self._expected_match(key)
-        res = self.cache.match_prefix(key)
+    @rule(key=TOKENS, ek=EXTRA_KEYS)
+    def match(self, key: list[int], ek: str | None) -> None:
+        j, slots = self._expected_match(key, ek)
+        res = self.cache.match_prefix(key, ek)
         assert res.device_indices.tolist() == slots
-        assert path_key(res.last_device_node) == tuple(key[:j])
+        node = res.last_device_node
+        assert path_key(node) == tuple(key[:j])
+        assert node is self.cache.root_node or node.extra_key == ek
 
-    @rule(key=TOKENS)
-    def lock(self, key: list[int]) -> None:
-        node = self.cache.match_prefix(key).last_device_node
+    @rule(key=TOKENS, ek=EXTRA_KEYS)
+    def lock(self, key: list[int], ek: str | None) -> None:
+        node = self.cache.match_prefix(key, ek).last_device_node
         before = self.cache.evictable_size()
         delta = self.cache.inc_lock_ref(node)
         assert self.cache.evictable_size() == before + delta
@@ -491,19 +494,18 @@ class TreeMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(0, 40))
     def evict(self, n: int) -> None:
-        before_free = self.alloc.available_size()
-        before_total = self.cache.total_size()
+        before_free, before_total = self.alloc.available_size(), self.cache.total_size()
         self.cache.evict(n)
         evicted = before_total - self.cache.total_size()
         assert self.alloc.available_size() == before_free + evicted
         if evicted < n:
             assert self.cache.evictable_size() == 0
-        remaining = {path_key(node) for node in iter_nodes(self.cache)}
         for node in self.locked:
             assert node.parent is not None or node is self.cache.root_node, "locked node evicted"
         # evicted prefixes are gone together with all their extensions
-        stored_now = {k for k in self.stored if any(r[: len(k)] == k for r in remaining)}
-        self.stored = {k: v for k, v in self.stored.items() if k in stored_now}
+        remaining = [(node.extra_key, path_key(node)) for node in iter_nodes(self.cache)]
+        self.stored = {k: v for k, v in self.stored.items()
+                       if any(ek == k[0] and p[: len(k[1])] == k[1] for ek, p in remaining)}
         assert sum(len(v) for v in self.stored.values()) == self.cache.total_size()
 
     @invariant()
@@ -512,8 +514,7 @@ class TreeMachine(RuleBasedStateMachine):
             return
         tree_slots = check_tree(self.cache)
         free = check_free_list(self.alloc)
-        assert not tree_slots & free
-        assert tree_slots | free == all_slots(self.alloc)
+        assert not tree_slots & free and tree_slots | free == all_slots(self.alloc)
         # lock_ref is exactly the number of locks taken through each node
         expected: dict[int, int] = {}
         for node in self.locked:
@@ -806,99 +807,6 @@ def test_chunk_cache_takes_an_extra_key_and_reuses_nothing():
     cache = ChunkCache(req_pool, TokenToKVPoolAllocator(size=16), page_size=1)
     res = cache.match_prefix([1, 2, 3], "a")
     assert res.device_indices.numel() == 0 and res.last_device_node is None
-
-
-EXTRA_KEYS = st.sampled_from([None, "a", "b"])
-
-
-class KeyedTreeMachine(RuleBasedStateMachine):
-    """insert / match / lock / unlock / evict, each under one of a few extra keys,
-    against a model that keeps each key's stored prefixes apart."""
-
-    @initialize(ps=st.sampled_from([1, 2, 4]))
-    def setup(self, ps: int) -> None:
-        self.ps = ps
-        self.cache, _, self.alloc = make_cache(page_size=ps, pool_size=48)
-        # (extra_key, stored page-aligned prefix) -> the slots of its last page
-        self.stored: dict[tuple[str | None, tuple[int, ...]], list[int]] = {}
-        self.locked: list[TreeNode] = []
-
-    def _expected_match(self, key: list[int], ek: str | None) -> tuple[int, list[int]]:
-        key = key[: len(key) // self.ps * self.ps]
-        j = 0
-        while j + self.ps <= len(key) and (ek, tuple(key[: j + self.ps])) in self.stored:
-            j += self.ps
-        return j, [s for i in range(self.ps, j + 1, self.ps) for s in self.stored[(ek, tuple(key[:i]))]]
-
-    @rule(key=TOKENS, ek=EXTRA_KEYS)
-    def insert(self, key: list[int], ek: str | None) -> None:
-        key = key[: len(key) // self.ps * self.ps]
-        slots = self.alloc.alloc(len(key))
-        if slots is None:
-            return
-        expected_already, _ = self._expected_match(key, ek)
-        already = self.cache.insert(key, slots, ek)
-        assert already == expected_already
-        self.alloc.free(slots[:already])
-        for i in range(already + self.ps, len(key) + 1, self.ps):
-            self.stored[(ek, tuple(key[:i]))] = slots[i - self.ps : i].tolist()
-
-    @rule(key=TOKENS, ek=EXTRA_KEYS)
-    def match(self, key: list[int], ek: str | None) -> None:
-        j, slots = self._expected_match(key, ek)
-        res = self.cache.match_prefix(key, ek)
-        assert res.device_indices.tolist() == slots
-        node = res.last_device_node
-        assert path_key(node) == tuple(key[:j])
-        assert node is self.cache.root_node or node.extra_key == ek
-
-    @rule(key=TOKENS, ek=EXTRA_KEYS)
-    def lock(self, key: list[int], ek: str | None) -> None:
-        node = self.cache.match_prefix(key, ek).last_device_node
-        before = self.cache.evictable_size()
-        delta = self.cache.inc_lock_ref(node)
-        assert self.cache.evictable_size() == before + delta
-        self.locked.append(node)
-
-    @precondition(lambda self: self.locked)
-    @rule(i=st.integers(0, 100))
-    def unlock(self, i: int) -> None:
-        node = self.locked.pop(i % len(self.locked))
-        before = self.cache.evictable_size()
-        delta = self.cache.dec_lock_ref(node)
-        assert self.cache.evictable_size() == before + delta
-
-    @rule(n=st.integers(0, 40))
-    def evict(self, n: int) -> None:
-        before_free, before_total = self.alloc.available_size(), self.cache.total_size()
-        self.cache.evict(n)
-        evicted = before_total - self.cache.total_size()
-        assert self.alloc.available_size() == before_free + evicted
-        if evicted < n:
-            assert self.cache.evictable_size() == 0
-        remaining = [(node.extra_key, path_key(node)) for node in iter_nodes(self.cache)]
-        self.stored = {k: v for k, v in self.stored.items()
-                       if any(ek == k[0] and p[: len(k[1])] == k[1] for ek, p in remaining)}
-        assert sum(len(v) for v in self.stored.values()) == self.cache.total_size()
-
-    @invariant()
-    def consistent(self) -> None:
-        if not hasattr(self, "cache"):
-            return
-        tree_slots = check_tree(self.cache)
-        free = check_free_list(self.alloc)
-        assert not tree_slots & free and tree_slots | free == all_slots(self.alloc)
-        expected: dict[int, int] = {}
-        for node in self.locked:
-            for n in path_to(node):
-                expected[n.id] = expected.get(n.id, 0) + 1
-        for n in iter_nodes(self.cache):
-            if n is not self.cache.root_node:
-                assert n.lock_ref == expected.get(n.id, 0)
-
-
-TestKeyedTreeMachine = KeyedTreeMachine.TestCase
-TestKeyedTreeMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
 
 
 class KeyedRequestMachine(RequestMachine):

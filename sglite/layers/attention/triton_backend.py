@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 @dataclass
 class ForwardMetadata:
     max_len_extend: int = 0  # grid size of the extend kernel (its longest request)
-    num_kv_splits: int = 1  # decode: splits per request, fixed per batch size
+    # decode kernel: splits per row, fixed per batch size (with a split tile: per model)
+    num_kv_splits: int = 1
     # batch-invariant extend: each query row as a decode row (its request's pool row and
     # the positions it may see, its own included)
     row_req_pool_indices: torch.Tensor | None = None

@@ -203,34 +203,24 @@ void run_blocks(const G& g, int64_t b_begin, int64_t b_end) {
 
 #else  // portable: the same layout, float32 arithmetic
 
-void run_blocks(const Gemm& g, int64_t b_begin, int64_t b_end) {
-  float acc[kBlock];
-  for (int64_t m = 0; m < g.M; ++m) {
-    const uint16_t* xr = g.x + m * g.ldx;
-    for (int64_t b = b_begin; b < b_end; ++b) {
-      std::fill(acc, acc + kBlock, 0.f);
-      const uint16_t* wb = g.w + b * g.Kp * kBlock;
-      for (int64_t k = 0; k < g.K; ++k) {
-        const float xv = sglite::bf16_to_f32(xr[k]);
-        const uint16_t* wk = wb + (k / 2) * 2 * kBlock + (k % 2);
-#pragma omp simd
-        for (int64_t r = 0; r < kBlock; ++r) acc[r] += xv * sglite::bf16_to_f32(wk[2 * r]);
-      }
-      store_row(g, m, b * kBlock, acc, std::min<int64_t>(kBlock, g.N - b * kBlock));
-    }
-  }
+// element k of row m of x, and element k of output row r of block b of the packed weight
+inline float x_at(const Gemm& g, int64_t m, int64_t k) { return sglite::bf16_to_f32(g.x[m * g.ldx + k]); }
+inline float x_at(const GemmF32& g, int64_t m, int64_t k) { return g.x[m * g.ldx + k]; }
+inline float w_at(const Gemm& g, int64_t b, int64_t k, int64_t r) {
+  return sglite::bf16_to_f32(g.w[b * g.Kp * kBlock + (k / 2) * 2 * kBlock + 2 * r + k % 2]);
 }
+inline float w_at(const GemmF32& g, int64_t b, int64_t k, int64_t r) { return g.w[(b * g.Kp + k) * kBlock + r]; }
 
-void run_blocks(const GemmF32& g, int64_t b_begin, int64_t b_end) {
+template <class G>
+void run_blocks(const G& g, int64_t b_begin, int64_t b_end) {
   float acc[kBlock];
   for (int64_t m = 0; m < g.M; ++m) {
-    const float* xr = g.x + m * g.ldx;
     for (int64_t b = b_begin; b < b_end; ++b) {
       std::fill(acc, acc + kBlock, 0.f);
-      const float* wb = g.w + b * g.Kp * kBlock;
       for (int64_t k = 0; k < g.K; ++k) {
+        const float xv = x_at(g, m, k);
 #pragma omp simd
-        for (int64_t r = 0; r < kBlock; ++r) acc[r] += xr[k] * wb[k * kBlock + r];
+        for (int64_t r = 0; r < kBlock; ++r) acc[r] += xv * w_at(g, b, k, r);
       }
       store_row(g, m, b * kBlock, acc, std::min<int64_t>(kBlock, g.N - b * kBlock));
     }
