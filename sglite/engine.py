@@ -20,9 +20,9 @@ from typing import Any
 from sglite.distributed.parallel_state import TpRankDiedError, destroy_model_parallel, set_rank_watch
 from sglite.events import EventBus
 from sglite.managers.detokenizer_manager import DetokenizerManager
-from sglite.managers.io_struct import AbortReq, BatchStrOut, BatchTokenIDOut
+from sglite.managers.io_struct import AbortReq, BatchStrOut, BatchTokenIDOut, LogprobParams
 from sglite.managers.scheduler import Scheduler
-from sglite.managers.tokenizer_manager import TokenizerManager, check_rid
+from sglite.managers.tokenizer_manager import LogprobOutput, TokenizerManager, check_rid, logprob_params_each
 from sglite.server_args import DEFAULT_MODEL, ServerArgs
 
 Prompt = str | list[str] | None
@@ -42,10 +42,13 @@ class ReqState:
     waiter: bool = False  # a generate() or stream will read it, then drop it
     pending: deque[BatchStrOut] = field(default_factory=deque)  # a stream's unread outputs
     stream: bool = False
+    logprob: LogprobOutput | None = None  # return_logprob: what came of it
 
     def add(self, out: BatchStrOut) -> None:
         self.text += out.new_text
         self.output_ids += out.new_token_ids
+        if self.logprob is not None:
+            self.logprob.add(out.logprobs)
         if out.finished:
             self.finished, self.meta_info = True, out.meta_info
         if self.stream:
@@ -53,7 +56,8 @@ class ReqState:
 
     def to_dict(self) -> dict[str, Any]:
         """The result as ``generate`` returns it (plus ``error`` for a rejected request)."""
-        out = {"text": self.text, "output_ids": list(self.output_ids), "meta_info": dict(self.meta_info)}
+        meta = dict(self.meta_info, **(self.logprob.meta_info() if self.logprob is not None else {}))
+        out = {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
         if "error" in self.meta_info:
             out["error"] = self.meta_info["error"]
         return out
@@ -138,15 +142,18 @@ class Engine:
     def submit(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
                messages: list[dict] | None = None, sampling_params: dict[str, Any] | None = None,
                rid: str | None = None, stream: bool = False, extra_key: str | None = None,
-               _waiter: bool = False) -> str:
+               logprob: LogprobParams | None = None, _waiter: bool = False) -> str:
         """Queue one request for the next iteration; returns its rid. Raises ValueError
         for a rid already in use; any other bad input comes back as the request's error.
         ``extra_key`` (SGLang's name; OpenAI's cache_salt): the request shares cached
-        prefixes only with requests of the same key."""
+        prefixes only with requests of the same key. ``logprob``: SGLang's logprob fields
+        (their results come in meta_info)."""
         with self._lock:
             rid = self._claim_rid(rid, stream, _waiter)
+            if logprob is not None and logprob.return_logprob:
+                self._results[rid].logprob = LogprobOutput(logprob, self.tokenizer_manager.tokenizer)
         self.scheduler.send(self.tokenizer_manager.tokenize(rid, prompt, input_ids, messages, sampling_params, stream,
-                                                            extra_key=extra_key))
+                                                            extra_key=extra_key, logprob=logprob))
         return rid
 
     def _claim_rid(self, rid: Any, stream: bool, waiter: bool) -> str:
@@ -224,13 +231,20 @@ class Engine:
     def generate(self, prompt: Prompt = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, messages: list | None = None,
                  stream: bool = False, rid: str | list[str] | None = None,
-                 extra_key: str | list[str | None] | None = None) -> Any:
+                 extra_key: str | list[str | None] | None = None, return_logprob: bool | list[bool] = False,
+                 logprob_start_len: int | list[int] | None = None, top_logprobs_num: int | list[int] | None = None,
+                 token_ids_logprob: list[int] | list[list[int]] | None = None,
+                 return_text_in_logprobs: bool = False) -> Any:
         """Returns a dict (or a list of dicts for a batch) with text, output_ids and
         meta_info; with stream=True, a GenerateStream of increments. A batch is a list of
         prompts, of input_ids lists, or of chats (lists of messages); sampling_params,
-        rid and extra_key (see submit) are one for all of it or a list of one per prompt."""
+        rid and extra_key (see submit) are one for all of it or a list of one per prompt.
+        The logprob fields are SGLang's (one for all, or a list of one per prompt); their
+        results come in meta_info (docs/serving.md, "Logprobs")."""
         reqs, is_batch = _split_batch(prompt, input_ids, messages)
         n = len(reqs)
+        logprobs = logprob_params_each(n, return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob,
+                                       return_text_in_logprobs)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         rids = rid if isinstance(rid, list) else [rid] * n if not is_batch else [None] * n
         keys = extra_key if isinstance(extra_key, list) else [extra_key] * n
@@ -246,8 +260,8 @@ class Engine:
             busy = [r for r in named if r in self._results and (not self._results[r].finished or self._results[r].waiter)]
             if busy:
                 raise ValueError(f"request id {busy[0]!r} is already in use by an unfinished request")
-            rids = self._submit_all([dict(req, sampling_params=p, rid=r, extra_key=k)
-                                     for req, p, r, k in zip(reqs, params, rids, keys)], stream)
+            rids = self._submit_all([dict(req, sampling_params=p, rid=r, extra_key=k, logprob=lp)
+                                     for req, p, r, k, lp in zip(reqs, params, rids, keys, logprobs)], stream)
             states = [self._results[r] for r in rids]
         if stream:
             return GenerateStream(self, rids, states, is_batch)
@@ -394,6 +408,7 @@ class GenerateStream:
         self._rids, self._states = rids, states
         self._index = {r: i for i, r in enumerate(rids)} if is_batch else None
         self._pending = dict(zip(rids, states))  # requests whose finished chunk has not been taken
+        self._by_rid = dict(zip(rids, states))
         self._ready: deque[dict[str, Any]] = deque()  # chunks taken, not handed out yet
         # holds the engine and the states, not this stream; at exit there is nothing to free
         self._finalizer = weakref.finalize(self, engine._stream_dropped, rids, states)
@@ -419,7 +434,8 @@ class GenerateStream:
         for r, out in outs:
             if out.finished:
                 del self._pending[r]
-            self._ready.append(_chunk(out, self._index[r] if self._index is not None else None))
+            index = self._index[r] if self._index is not None else None
+            self._ready.append(_chunk(out, index, self._by_rid[r].logprob))
         if not self._pending:
             self._give_back(step=False)  # read to the end: nothing left to abort
 
@@ -455,9 +471,10 @@ def _split_batch(prompt: Any, input_ids: Any, messages: Any) -> tuple[list[dict[
     return [{"prompt": prompt, "input_ids": input_ids, "messages": messages}], False
 
 
-def _chunk(out: BatchStrOut, index: int | None) -> dict[str, Any]:
-    chunk = {"text": out.new_text, "output_ids": out.new_token_ids, "finished": out.finished,
-             "meta_info": out.meta_info}
+def _chunk(out: BatchStrOut, index: int | None, logprob: LogprobOutput | None) -> dict[str, Any]:
+    """A stream's increment; with logprobs, those of its new tokens (and, first, the prompt's)."""
+    meta = out.meta_info if logprob is None else dict(out.meta_info, **logprob.meta_info(out.logprobs or {}))
+    chunk = {"text": out.new_text, "output_ids": out.new_token_ids, "finished": out.finished, "meta_info": meta}
     if index is not None:
         chunk["index"] = index
     if out.finished and "error" in out.meta_info:

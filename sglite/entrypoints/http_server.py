@@ -33,7 +33,8 @@ from sglite.entrypoints import protocol
 from sglite.entrypoints.http_security import HttpGuard, SecurityPolicy, parse_json, start_json_worker
 from sglite.managers.io_struct import (HEALTH_CHECK_RID_PREFIX, DebugControlReq, ExplainReq, FlushCacheReqInput,
                                        GetInternalStateReq)
-from sglite.managers.tokenizer_manager import Claim, ReqSpec, RequestError, ServerReqState, ServerTokenizerManager
+from sglite.managers.tokenizer_manager import (LOGPROB_FIELDS, Claim, ReqSpec, RequestError, ServerReqState,
+                                               ServerTokenizerManager, logprob_params_each)
 from sglite.server_args import ServerArgs
 
 MAX_BATCH = oai.MAX_BATCH  # requests in one body: a /generate batch, or prompts x n of an OpenAI request
@@ -271,7 +272,8 @@ async def _generate(request: Request, manager: ServerTokenizerManager, trace_par
     return JSONResponse(results if batch else results[0])
 
 
-GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "stream", "extra_key", "cache_salt"}
+GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "stream", "extra_key", "cache_salt",
+                   *LOGPROB_FIELDS}
 
 
 def _is_batch(body: dict[str, Any]) -> bool:
@@ -288,12 +290,14 @@ def _batch_items(body: dict[str, Any], batch: bool, stream: bool, extra_key: str
         raise RequestError("give only one of text or input_ids (got both)")
     if not batch:
         rid = uuid.uuid4().hex if rid is None else rid
-        return [ReqSpec(rid, body.get("text"), body.get("input_ids"), None, params, stream, extra_key)]
+        logprob = logprob_params_each(1, **{k: body[k] for k in LOGPROB_FIELDS if k in body})[0]
+        return [ReqSpec(rid, body.get("text"), body.get("input_ids"), None, params, stream, extra_key, logprob)]
     field = "text" if body.get("text") is not None else "input_ids"
     prompts = body[field]
     n = len(prompts)
     if not n or n > MAX_BATCH:
         raise RequestError(f"a batch holds 1 to {MAX_BATCH} requests, got {n}")
+    logprobs = logprob_params_each(n, **{k: body[k] for k in LOGPROB_FIELDS if k in body})
     rids = [uuid.uuid4().hex for _ in range(n)] if rid is None else rid
     if not isinstance(rids, list) or len(rids) != n:
         raise RequestError(f"rid must be a list of {n} strings for a batch of {n}")
@@ -301,11 +305,11 @@ def _batch_items(body: dict[str, Any], batch: bool, stream: bool, extra_key: str
         raise RequestError(f"sampling_params must be one dict, or a list of {n}, for a batch of {n}")
     each = params if isinstance(params, list) else [params] * n
     return [ReqSpec(r, p if field == "text" else None, p if field == "input_ids" else None, None, sp, stream,
-                    extra_key) for r, p, sp in zip(rids, prompts, each)]
+                    extra_key, lp) for r, p, sp, lp in zip(rids, prompts, each, logprobs)]
 
 
 def _native_result(state: ServerReqState) -> dict[str, Any]:
-    meta = {"id": state.rid, **state.meta_info}
+    meta = {"id": state.rid, **state.result_meta()}
     out = {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
     if "error" in meta:
         out["error"] = {"message": meta["error"]}
@@ -513,16 +517,19 @@ async def _openai(request: Request, manager: ServerTokenizerManager, info: Serve
     body = await _json(request)
     params, n = oai.sampling_params(body, chat)
     stream, include_usage = oai.stream_options(body)
+    logprob, echo = oai.logprob_params(body, chat), not chat and oai.echo_of(body)
     inputs = [{"messages": body.get("messages")}] if chat else oai.prompts_of(body)
     if len(inputs) * n > MAX_BATCH:
         raise oai.OpenAIError(f"{len(inputs)} prompts x n={n} make {len(inputs) * n} requests; at most {MAX_BATCH} "
                               "in one body", "n" if n > 1 else "prompt")
     rid, extra_key = oai.new_id("chatcmpl" if chat else "cmpl"), oai.extra_key_of(body)
     specs = [ReqSpec(f"{rid}-{i}-{k}", inp.get("prompt"), inp.get("input_ids"), inp.get("messages"), params, stream,
-                     extra_key) for i, inp in enumerate(inputs) for k in range(n)]
+                     extra_key, logprob) for i, inp in enumerate(inputs) for k in range(n)]
     claim = await manager.submit(specs, trace_parent)
+    echoes = [_echo_text(manager, inputs[i // n]) if echo else "" for i in range(len(specs))]
     if stream:
-        events = _openai_stream(manager, claim, rid, info.model_name, chat, include_usage)
+        events = _openai_stream(manager, claim, OpenAIStream(rid, info.model_name, chat, n, echoes, echo),
+                                include_usage)
         return StreamingResponse(ClaimedStream(events, claim), media_type="text/event-stream")
     try:
         states = await _collect_all(manager, claim, request)
@@ -531,34 +538,67 @@ async def _openai(request: Request, manager: ServerTokenizerManager, info: Serve
     errors = [s.meta_info["error"] for s in states if "error" in s.meta_info]
     if errors:  # (a round that failed inside the scheduler)
         return _ascii_json(oai.error_body(errors[0], code=500, kind="InternalServerError"), 500)
-    texts, metas = [s.text for s in states], [s.meta_info for s in states]
-    shape = oai.chat_response if chat else oai.completion_response
-    return JSONResponse(shape(rid, info.model_name, texts, metas))
+    texts, metas = [e + s.text for e, s in zip(echoes, states)], [s.result_meta() for s in states]
+    if chat:
+        return JSONResponse(oai.chat_response(rid, info.model_name, texts, metas, n))
+    return JSONResponse(oai.completion_response(rid, info.model_name, texts, metas, n, echo))
 
 
-async def _openai_stream(manager: ServerTokenizerManager, claim: Claim, rid: str, model: str, chat: bool,
+def _echo_text(manager: ServerTokenizerManager, inp: dict[str, Any]) -> str:
+    """A completion's prompt as ``echo`` repeats it: the string, or its token ids decoded."""
+    if inp.get("prompt") is not None:
+        return inp["prompt"]
+    tokenizer = manager.gate.tokenizer
+    return tokenizer.decode(inp["input_ids"], skip_special_tokens=True) if tokenizer is not None else ""
+
+
+@dataclasses.dataclass
+class OpenAIStream:
+    """What a streamed completion or chat needs to shape its events."""
+
+    rid: str
+    model: str
+    chat: bool
+    n: int
+    echoes: list[str]  # per choice, the text its first event starts with ("" without echo)
+    echo: bool = False
+
+
+async def _openai_stream(manager: ServerTokenizerManager, claim: Claim, how: OpenAIStream,
                          include_usage: bool) -> AsyncIterator[bytes]:
-    """Deltas of every choice as they come, each choice's finish_reason, then usage
-    (when asked) and [DONE]. Leaving early aborts every choice still running."""
-    started: set[int] = set()
+    """Deltas of every choice as they come, each with the logprobs of its new tokens
+    when asked, each choice's finish_reason, then usage (when asked) and [DONE].
+    Leaving early aborts every choice still running."""
+    sent: dict[int, int] = {}  # choice -> output tokens whose logprobs went out
 
     def chunk(index: int, state: ServerReqState) -> dict[str, Any]:
         text = "".join(o.new_text for o in state.outs)
         state.outs.clear()
         reason = oai.finish_reason(state.meta_info) if state.finished else None
-        first = index not in started
-        started.add(index)
-        return oai.stream_chunk(rid, model, chat, index, text, reason, first)
+        first = index not in sent
+        start, meta = sent.get(index, 0), state.result_meta()
+        sent[index] = len(meta.get("output_token_logprobs", ()))
+        logprobs = None
+        if sent[index] > start or (how.echo and first):  # (none for an event without new tokens)
+            logprobs = (oai.chat_logprobs(meta, start) if how.chat else
+                        oai.completion_logprobs(meta, how.echo and first, start))
+        if first and how.echoes[index]:
+            text = how.echoes[index] + text
+        return oai.stream_chunk(how.rid, how.model, how.chat, index, text, reason, first, logprobs)
 
-    metas: list[dict[str, Any]] = []
+    metas: dict[int, dict[str, Any]] = {}
     async with contextlib.aclosing(_merge(manager, claim, chunk)) as events:
-        async for _, event, meta in events:
+        async for index, event, meta in events:
             yield f"data: {json.dumps(event)}\n\n".encode()
             if meta is not None:
-                metas.append(meta)
+                metas[index] = meta
                 if "error" in meta:
                     yield f"data: {json.dumps({'error': oai.error_body(meta['error'])})}\n\n".encode()
     if include_usage:
-        last = oai.stream_chunk(rid, model, chat, 0, None, None) | {"choices": [], "usage": oai.usage(metas)}
+        ordered = [metas[i] for i in sorted(metas)]
+        last = oai.stream_chunk(how.rid, how.model, how.chat, 0, None, None) | {
+            "choices": [], "usage": oai.usage(ordered, how.n)}
         yield f"data: {json.dumps(last)}\n\n".encode()
     yield b"data: [DONE]\n\n"
+
+

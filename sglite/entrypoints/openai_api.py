@@ -2,8 +2,10 @@
 entrypoints/openai/serving_completions.py, serving_chat.py, protocol.py).
 
 A request body becomes sglite sampling parameters here; anything OpenAI defines that
-sglite does not do (logprobs, echo, best_of, tools) is a 400 naming the parameter,
-never silently ignored.
+sglite does not do (best_of, suffix, tools) is a 400 naming the parameter, never
+silently ignored. Logprobs follow SGLang's adapters: chat ``logprobs`` + ``top_logprobs``,
+completions ``logprobs: k`` (+ ``echo``: the prompt's logprobs first, the first one
+null), each token's text decoded alone.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import time
 import uuid
 from typing import Any
 
+from sglite.managers.io_struct import MAX_TOP_LOGPROBS, LogprobParams
+
 # OpenAI parameter -> sglite sampling parameter
 SAMPLING_KEYS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
                  "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -20,11 +24,13 @@ SAMPLING_KEYS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_n
                  "presence_penalty": "presence_penalty", "repetition_penalty": "repetition_penalty",
                  "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
                  "stop_token_ids": "stop_token_ids"}
-IGNORED_KEYS = {"model", "stream", "stream_options", "n", "user", "prompt", "messages", "logit_bias",
+IGNORED_KEYS = {"model", "stream", "stream_options", "n", "user", "logit_bias",
                 "response_format", "parallel_tool_calls", "service_tier", "store", "metadata",
                 "cache_salt", "extra_key"}  # (the last two: extra_key_of)
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
-               "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
+# what only one route takes (read by prompts_of / the messages, logprob_params, echo_of)
+COMPLETION_KEYS = {"prompt", "logprobs", "echo"}
+CHAT_KEYS = {"messages", "logprobs", "top_logprobs"}
+UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
                "functions": (None, []), "function_call": (None, "none")}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 NO_LIMIT = 1 << 30  # a chat's max_new_tokens when none is given (the scheduler caps it at max_req_len)
@@ -54,7 +60,7 @@ def sampling_params(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], i
         elif key in UNSUPPORTED:
             if value not in UNSUPPORTED[key]:
                 raise OpenAIError(f"{key} is not supported by sglite", key)
-        elif key not in IGNORED_KEYS:
+        elif key not in IGNORED_KEYS and key not in (CHAT_KEYS if chat else COMPLETION_KEYS):
             raise OpenAIError(f"unknown parameter {key!r}", key)
     if "max_new_tokens" not in params:
         # completions: OpenAI's 16; a chat without a limit runs to a stop or to the end of
@@ -87,6 +93,71 @@ def extra_key_of(body: dict[str, Any]) -> str | None:
     return parts[0] if parts else None
 
 
+def logprob_params(body: dict[str, Any], chat: bool) -> LogprobParams:
+    """SGLang's mapping: chat ``logprobs: bool`` with ``top_logprobs: k`` (ignored
+    without logprobs, as SGLang does); completions ``logprobs: k`` (null: none), with
+    ``echo`` and k > 0 also the prompt's logprobs. The gate checks k's range."""
+    if chat:
+        wanted = _bool(body.get("logprobs"), "logprobs")
+        k = _top_count(body, "top_logprobs") if wanted else 0
+        return LogprobParams(wanted, -1, k, None, True)
+    k = _top_count(body, "logprobs")
+    return LogprobParams(body.get("logprobs") is not None, 0 if echo_of(body) and k else -1, k, None, True)
+
+
+def _top_count(body: dict[str, Any], name: str) -> int:
+    """A count of top tokens: null (0) or an integer in [0, MAX_TOP_LOGPROBS]."""
+    k = body.get(name)
+    if k is None:
+        return 0
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise OpenAIError(f"{name} must be an integer from 0 to {MAX_TOP_LOGPROBS} (the number of top tokens) or "
+                          f"null, got {_json_short(k)}", name)
+    return k
+
+
+def echo_of(body: dict[str, Any]) -> bool:
+    return _bool(body.get("echo"), "echo")
+
+
+def chat_logprobs(meta: dict[str, Any], start: int = 0) -> dict[str, Any] | None:
+    """A chat choice's ``logprobs`` from SGLang's meta_info entries, output tokens from
+    ``start`` on (a stream's new ones); None when none were asked for."""
+    if "output_token_logprobs" not in meta:
+        return None
+    tops = meta.get("output_top_logprobs") or []
+    content = []
+    for j, (value, _, text) in enumerate(meta["output_token_logprobs"][start:], start):
+        top = tops[j] if j < len(tops) and tops[j] else []
+        content.append({"token": text, "bytes": list(text.encode()), "logprob": value,
+                        "top_logprobs": [{"token": t, "bytes": list(t.encode()), "logprob": v} for v, _, t in top]})
+    return {"content": content}
+
+
+def completion_logprobs(meta: dict[str, Any], echo: bool, start: int = 0) -> dict[str, Any] | None:
+    """A completion choice's ``logprobs`` (OpenAI's legacy shape): with ``echo``, the
+    prompt's entries first (the first has no logprob: null); output tokens from
+    ``start`` on. ``text_offset`` is -1, as SGLang's."""
+    if "output_token_logprobs" not in meta:
+        return None
+    entries = meta["output_token_logprobs"][start:]
+    tops = (meta.get("output_top_logprobs") or [])[start:] if "output_top_logprobs" in meta else None
+    if echo:
+        entries = meta.get("input_token_logprobs", []) + entries
+        tops = None if tops is None else meta.get("input_top_logprobs", []) + tops
+    return {"text_offset": [-1] * len(entries), "token_logprobs": [v for v, _, _ in entries],
+            "tokens": [t for _, _, t in entries],
+            "top_logprobs": [] if tops is None else [None if pos is None else _top_dict(pos) for pos in tops]}
+
+
+def _top_dict(entries: list[Any]) -> dict[str, float]:
+    """token text -> logprob, best first; of two tokens with one text the better (SGLang's)."""
+    out: dict[str, float] = {}
+    for value, _, text in entries:
+        out.setdefault(text, value)
+    return out
+
+
 def _bool(value: Any, name: str) -> bool:
     if value is None:
         return False
@@ -106,9 +177,10 @@ def finish_reason(meta: dict[str, Any]) -> str | None:
     return {"stop": "stop", "length": "length", "abort": "abort"}.get(kind, kind)
 
 
-def usage(metas: list[dict[str, Any]]) -> dict[str, int]:
-    """Token counts of a request's choices: the prompt once (OpenAI counts it once for n)."""
-    prompt = metas[0].get("prompt_tokens", 0) if metas else 0
+def usage(metas: list[dict[str, Any]], n: int = 1) -> dict[str, int]:
+    """Token counts of a request's choices (each prompt's ``n`` in a row): every prompt
+    once, summed, as SGLang counts them (OpenAI counts a prompt once for n)."""
+    prompt = sum(m.get("prompt_tokens", 0) for m in metas[::n])
     completion = sum(m.get("completion_tokens", 0) for m in metas)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": metas[0].get("cached_tokens", 0) if metas else 0}}
@@ -118,31 +190,34 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def completion_response(rid: str, model: str, texts: list[str], metas: list[dict[str, Any]]) -> dict[str, Any]:
+def completion_response(rid: str, model: str, texts: list[str], metas: list[dict[str, Any]], n: int = 1,
+                        echo: bool = False) -> dict[str, Any]:
+    """``texts``: each choice's text (with ``echo``, after its prompt's)."""
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "text": t, "logprobs": None, "finish_reason": finish_reason(m)}
-                        for i, (t, m) in enumerate(zip(texts, metas))],
-            "usage": usage(metas)}
-
-
-def chat_response(rid: str, model: str, texts: list[str], metas: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
+            "choices": [{"index": i, "text": t, "logprobs": completion_logprobs(m, echo),
                          "finish_reason": finish_reason(m)} for i, (t, m) in enumerate(zip(texts, metas))],
-            "usage": usage(metas)}
+            "usage": usage(metas, n)}
+
+
+def chat_response(rid: str, model: str, texts: list[str], metas: list[dict[str, Any]], n: int = 1) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": chat_logprobs(m),
+                         "finish_reason": finish_reason(m)} for i, (t, m) in enumerate(zip(texts, metas))],
+            "usage": usage(metas, n)}
 
 
 def stream_chunk(rid: str, model: str, chat: bool, index: int, text: str | None,
-                 reason: str | None, first: bool = False) -> dict[str, Any]:
-    """One server-sent event of a streamed completion or chat."""
+                 reason: str | None, first: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One server-sent event of a streamed completion or chat (``logprobs``: those of
+    its new tokens)."""
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
         if text:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         kind = "chat.completion.chunk"
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         kind = "text_completion"
     return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice]}
 

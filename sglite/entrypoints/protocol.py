@@ -39,10 +39,12 @@ class SamplingParamsInput(_Strict):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     seed: int | None = Field(None, ge=0)
+    n: int = Field(1, ge=1, le=1)  # one sample a request here
 
 
 class GenerateReqInput(_Strict):
-    """POST /generate: one request, or a batch (a list of texts or of token-id lists)."""
+    """POST /generate: one request, or a batch (a list of texts or of token-id lists);
+    the logprob fields one for all or a list of one each (docs/serving.md, "Logprobs")."""
 
     text: str | list[str] | None = None
     input_ids: Ids | list[Ids] | None = None
@@ -51,6 +53,11 @@ class GenerateReqInput(_Strict):
     stream: bool | None = False
     extra_key: str | None = None  # the cache key (docs/serving.md, "Cache isolation")
     cache_salt: str | None = None
+    return_logprob: bool | list[bool] | None = False
+    logprob_start_len: int | list[int] | None = Field(None, ge=-1)
+    top_logprobs_num: int | list[int] | None = Field(None, ge=0, le=20)
+    token_ids_logprob: Ids | list[Ids] | None = None
+    return_text_in_logprobs: bool | None = False
 
 
 class StreamOptions(BaseModel):
@@ -88,9 +95,6 @@ class _OpenAISampling(_Strict):
     metadata: dict[str, str] | None = None
     cache_salt: str | None = None
     extra_key: str | None = None
-    logprobs: Literal[False, 0] | None = None  # not supported: only "off"
-    top_logprobs: Literal[0] | None = None
-    echo: Literal[False] | None = None
     best_of: Literal[1] | None = None
     suffix: Literal[""] | None = None
     tools: list[Any] | None = Field(None, max_length=0)
@@ -103,6 +107,8 @@ class CompletionRequest(_OpenAISampling):
     """POST /v1/completions."""
 
     prompt: str | Ids | list[str] | list[Ids]
+    logprobs: int | None = Field(None, ge=0, le=20)  # top tokens per position
+    echo: bool | None = False
 
 
 class ChatCompletionMessage(BaseModel):
@@ -114,6 +120,8 @@ class ChatCompletionRequest(_OpenAISampling):
     """POST /v1/chat/completions."""
 
     messages: list[ChatCompletionMessage] = Field(min_length=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class AbortReqInput(_Strict):

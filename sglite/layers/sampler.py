@@ -11,7 +11,23 @@ from sglite.sampling.sampling_batch_info import SamplingBatchInfo
 
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> torch.Tensor:
-        logits = sampling_info.apply_penalties(logits.float())
+        return self.sample(self.penalized(logits, sampling_info), sampling_info)
+
+    @staticmethod
+    def penalized(logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> torch.Tensor:
+        """The float32 logits the sampler draws from: penalties applied."""
+        return sampling_info.apply_penalties(logits.float())
+
+    @staticmethod
+    def logprobs(penalized: torch.Tensor, sampling_info: SamplingBatchInfo) -> torch.Tensor:
+        """Each row's logprobs as SGLang returns them for the sampled token: the
+        log-softmax of the penalized logits over the temperature, before top-k, top-p
+        and min-p (a greedy row's temperature is 1). Row by row: the same bits in any
+        batch."""
+        return torch.log_softmax(penalized / sampling_info.temperatures, dim=-1)
+
+    def sample(self, logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> torch.Tensor:
+        """Token ids from penalized logits (``penalized``)."""
         if sampling_info.is_all_greedy:
             return torch.argmax(logits, dim=-1)
         probs = torch.softmax(logits / sampling_info.temperatures, dim=-1)

@@ -70,7 +70,7 @@ class DetokenizerManager:
             del self.decode_status[recv.rid]
         if recv.new_token_ids:
             self.event_bus.emit(ev.TokensEmitted, rid=recv.rid, token_ids=tuple(recv.new_token_ids), text=new_text)
-        return BatchStrOut(recv.rid, new_text, list(recv.new_token_ids), recv.finished, recv.meta_info)
+        return BatchStrOut(recv.rid, new_text, list(recv.new_token_ids), recv.finished, recv.meta_info, recv.logprobs)
 
     def _decode(self, status: DecodeStatus, skip_special_tokens: bool, flush: bool) -> None:
         """Move read_offset to the end when the new bytes form whole characters (always

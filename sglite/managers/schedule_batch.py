@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sglite.layers.logits_processor import Candidates, LogprobMetadata, PositionLogprobs
 from sglite.mem_cache.memory_pool import num_pages
 from sglite.model_executor.forward_batch_info import ForwardMode
 from sglite.sampling.sampling_batch_info import SamplingBatchInfo
@@ -77,6 +78,80 @@ class FINISH_ABORT(BaseFinishReason):
         return {"type": "abort", "message": self.message}
 
 
+@dataclass
+class ReqLogprobs:
+    """What one request asked of logprobs and what it has collected (SGLang keeps these
+    as Req fields). Prompt positions from ``start_len`` on: the first has no logprob
+    (None, as SGLang's), each later one the logprob of its token given the tokens before
+    it; then one entry per output token. Entries are ``(logprob, token id)``; a
+    position's top tokens and asked-about tokens are lists of those (None at the first
+    prompt position)."""
+
+    input_ids: list[int]
+    start_len: int  # resolved: 0 <= start_len < len(input_ids)
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_token_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_sent: bool = False  # the prompt's entries went out (with the first token)
+
+    def __post_init__(self) -> None:
+        self.input_token_logprobs.append((None, self.input_ids[self.start_len]))
+        self.input_top_logprobs.append(None)
+        self.input_token_ids_logprobs.append(None)
+
+    def next_input(self) -> int:
+        """The prompt index whose logprob comes next (len(input_ids): all are in)."""
+        return self.start_len + len(self.input_token_logprobs)
+
+    def rows(self, prefix_len: int, extend_len: int) -> tuple[int, list[int]]:
+        """Of a round computing positions [prefix_len, prefix_len + extend_len): the first
+        row (counted from prefix_len) whose next prompt token's logprob is due, and those
+        tokens. A position predicts the token after it; the last prompt position predicts
+        the first output token, whose logprob the sampler gives."""
+        first = max(prefix_len, self.next_input() - 1)
+        end = min(prefix_len + extend_len, len(self.input_ids) - 1)
+        if end <= first:
+            return 0, []
+        return first - prefix_len, self.input_ids[first + 1 : end + 1]
+
+    def add_input(self, first_index: int, got: PositionLogprobs) -> None:
+        """Prompt entries from index ``first_index`` on; those already in are skipped."""
+        for j, value in enumerate(got.token_logprobs):
+            index = first_index + j
+            if index != self.next_input():
+                continue
+            self.input_token_logprobs.append((value, self.input_ids[index]))
+            self.input_top_logprobs.append(_pairs(got.top[j]) if got.top is not None else None)
+            self.input_token_ids_logprobs.append(_pairs(got.token_ids[j]) if got.token_ids is not None else None)
+
+    def add_output(self, token_id: int, got: PositionLogprobs) -> None:
+        self.output_token_logprobs.append((got.token_logprobs[0], token_id))
+        self.output_top_logprobs.append(_pairs(got.top[0]) if got.top else [])
+        self.output_token_ids_logprobs.append(_pairs(got.token_ids[0]) if got.token_ids else [])
+
+    def take(self, output_from: int) -> dict[str, list[Any]]:
+        """What goes out with the output tokens from ``output_from`` on: their entries and,
+        the first time, the prompt's."""
+        out: dict[str, list[Any]] = {
+            "output_token_logprobs": self.output_token_logprobs[output_from:],
+            "output_top_logprobs": self.output_top_logprobs[output_from:],
+            "output_token_ids_logprobs": self.output_token_ids_logprobs[output_from:]}
+        if not self.input_sent:
+            self.input_sent = True
+            out.update(input_token_logprobs=self.input_token_logprobs, input_top_logprobs=self.input_top_logprobs,
+                       input_token_ids_logprobs=self.input_token_ids_logprobs)
+        return out
+
+
+def _pairs(c: Candidates) -> list[tuple[float, int]]:
+    return list(zip(*c))
+
+
 class Req:
     """One request, from arrival to finish."""
 
@@ -91,6 +166,7 @@ class Req:
         stream: bool = False,
         tokenizer: "Tokenizer | None" = None,
         extra_key: str | None = None,
+        logprobs: ReqLogprobs | None = None,
     ):
         self.rid = rid
         self.origin_input_text = origin_input_text
@@ -103,6 +179,7 @@ class Req:
         self.trace_parent = ""  # W3C traceparent of the HTTP request's span (sglite serve)
         self.tokenizer = tokenizer  # decodes the output's tail to check stop strings
         self.extra_key = extra_key  # (cache_salt) prefixes are shared only within one key; None: the plain tree
+        self.logprobs = logprobs  # None: return_logprob was not asked for
         # the random draw for output token n depends only on (sampling_seed, n): a seeded
         # request samples the same tokens however it is batched, chunked or retracted
         self.sampling_seed = sampling_params.seed if sampling_params.seed is not None else seed
@@ -129,9 +206,7 @@ class Req:
         self.hold: Hold | None = None  # why admission left it waiting, last round (holds_of_round)
         self.cached_tokens = 0
         self.already_computed = 0
-
-        # output_ids[:send_token_offset] went to the DetokenizerManager already
-        self.send_token_offset = 0
+        self.send_token_offset = 0  # output_ids[:send_token_offset] went to the DetokenizerManager already
 
         # time stamps (time.perf_counter)
         self.created_time = time.perf_counter()
@@ -152,10 +227,14 @@ class Req:
 
     def init_next_round_input(self, tree_cache: "BasePrefixCache | None" = None) -> None:
         """fill_ids = prompt + output so far; reuse the longest cached prefix, but
-        always compute at least one token so there are logits to sample from."""
+        always compute at least one token so there are logits to sample from, and (as
+        SGLang) every position whose logits give a prompt logprob still due."""
         self.fill_ids = self.origin_input_ids + self.output_ids
         if tree_cache is not None:
-            match = tree_cache.match_prefix(self.fill_ids[: len(self.fill_ids) - 1], self.extra_key)
+            limit = len(self.fill_ids) - 1
+            if self.logprobs is not None and self.logprobs.next_input() < len(self.origin_input_ids):
+                limit = min(limit, self.logprobs.next_input() - 1)
+            match = tree_cache.match_prefix(self.fill_ids[:limit], self.extra_key)
             self.prefix_indices, self.last_node = match.device_indices, match.last_device_node
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 
@@ -254,6 +333,7 @@ class ModelWorkerBatch:
     extend_num_tokens: int = 0
     sampling_info: SamplingBatchInfo | None = None
     return_all_logits: bool = False
+    logprob: LogprobMetadata | None = None
 
 
 @dataclass
@@ -279,6 +359,7 @@ class ScheduleBatch:
     batch_is_full: bool = False
     sampling_info: SamplingBatchInfo | None = None
     return_all_logits: bool = False
+    logprob: LogprobMetadata | None = None  # None: no request of the round asked for logprobs
 
     @classmethod
     def init_new(cls, reqs: list[Req], req_to_token_pool, token_to_kv_pool_allocator, tree_cache,
@@ -352,6 +433,7 @@ class ScheduleBatch:
             if req.forward_entry_time is None:
                 req.forward_entry_time = now
         self.sampling_info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device)
+        self.logprob = logprob_metadata(reqs, self.prefix_lens, self.extend_lens)
 
     def prepare_for_decode(self) -> None:
         """docs/seeds.md §A4: one new row per request, the token sampled last round (in the
@@ -370,6 +452,7 @@ class ScheduleBatch:
             self.req_to_token_pool.write(req.req_pool_idx, self.seq_lens[j] - 1, self.out_cache_loc[j : j + 1])
             req.kv_committed_len = self.seq_lens[j]
         self.sampling_info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device)
+        self.logprob = logprob_metadata(reqs)
 
     def mix_with_running(self, running_batch: "ScheduleBatch") -> None:
         """ForwardMode.MIXED: the decode tail rides along as 1-token extends after the
@@ -387,6 +470,7 @@ class ScheduleBatch:
         self.extend_lens = self.extend_lens + [1] * running_batch.batch_size()
         self.extend_num_tokens += running_batch.batch_size()
         self.sampling_info = SamplingBatchInfo.from_reqs(self.reqs, self.vocab_size, self.device)
+        self.logprob = logprob_metadata(self.reqs, self.prefix_lens, self.extend_lens)
 
     def get_model_worker_batch(self, bid: int, iteration: int) -> "ModelWorkerBatch":
         """What the model worker needs of this round. The lists are copied: the overlap
@@ -396,7 +480,7 @@ class ScheduleBatch:
             req_pool_indices=list(self.req_pool_indices), seq_lens=list(self.seq_lens),
             out_cache_loc=self.out_cache_loc, prefix_lens=list(self.prefix_lens),
             extend_lens=list(self.extend_lens), extend_num_tokens=self.extend_num_tokens,
-            sampling_info=self.sampling_info, return_all_logits=self.return_all_logits)
+            sampling_info=self.sampling_info, return_all_logits=self.return_all_logits, logprob=self.logprob)
 
     def copy(self) -> "ScheduleBatch":
         """What process_batch_result needs of this round, kept apart from the running
@@ -407,7 +491,7 @@ class ScheduleBatch:
             vocab_size=self.vocab_size, device=self.device, forward_mode=self.forward_mode,
             seq_lens=list(self.seq_lens), out_cache_loc=self.out_cache_loc, prefix_lens=list(self.prefix_lens),
             extend_lens=list(self.extend_lens), extend_num_tokens=self.extend_num_tokens,
-            decoding_reqs=list(self.decoding_reqs), chunked_req=self.chunked_req,
+            decoding_reqs=list(self.decoding_reqs), chunked_req=self.chunked_req, logprob=self.logprob,
         )
 
     def filter_batch(self, chunked_req_to_exclude: Req | None = None) -> None:
@@ -457,3 +541,22 @@ class ScheduleBatch:
         max_new = sum(r.sampling_params.max_new_tokens for r in kept)
         new_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(kept)) / (max_new + 1))
         return retracted, new_ratio
+
+
+def logprob_metadata(reqs: list[Req], prefix_lens: list[int] | None = None,
+                     extend_lens: list[int] | None = None) -> LogprobMetadata | None:
+    """The round's logprob asks (None if no request has any); with ``prefix_lens`` and
+    ``extend_lens`` (an extend round) the prompt rows each request's due logprobs need."""
+    if all(r.logprobs is None for r in reqs):
+        return None
+    meta = LogprobMetadata([r.logprobs is not None for r in reqs],
+                           [r.logprobs.top_logprobs_num if r.logprobs else 0 for r in reqs],
+                           [r.logprobs.token_ids_logprob if r.logprobs else None for r in reqs])
+    if prefix_lens is None or extend_lens is None:
+        return meta
+    for r, pre, ext in zip(reqs, prefix_lens, extend_lens):
+        start, targets = r.logprobs.rows(pre, ext) if r.logprobs is not None else (0, [])
+        meta.extend_logprob_start_lens.append(start)
+        meta.extend_logprob_pruned_lens.append(len(targets))
+        meta.extend_input_logprob_token_ids += targets
+    return meta

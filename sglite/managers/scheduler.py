@@ -17,7 +17,7 @@ from sglite.distributed.parallel_state import TpRankDiedError
 from sglite.managers.io_struct import (HEALTH_CHECK_RID_PREFIX, AbortReq, BatchTokenIDOut, ExplainReq,
                                       ExplainReqOutput, FlushCacheReqInput, FlushCacheReqOutput, GetInternalStateReq,
                                       GetInternalStateReqOutput, TokenizedGenerateReqInput)
-from sglite.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
+from sglite.managers.schedule_batch import FINISH_ABORT, Req, ReqLogprobs, ScheduleBatch
 from sglite.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy, holds_of_round
 from sglite.managers.scheduler_observer import SchedulerObserver
 from sglite.managers.scheduler_output_processor import SchedulerOutputProcessor
@@ -238,7 +238,7 @@ class Scheduler:
         params.max_new_tokens = min(params.max_new_tokens, self.max_req_len - len(recv_req.input_ids))
         req = Req(recv_req.rid, recv_req.input_text, list(recv_req.input_ids), params, self.eos_token_ids,
                   seed=self.server_args.random_seed + self.num_reqs_received, stream=recv_req.stream,
-                  tokenizer=self.tokenizer, extra_key=recv_req.extra_key)
+                  tokenizer=self.tokenizer, extra_key=recv_req.extra_key, logprobs=req_logprobs(recv_req))
         req.trace_parent = recv_req.trace_parent
         self.num_reqs_received += 1
         self.waiting_queue.append(req)
@@ -458,3 +458,12 @@ class Scheduler:
         """Finish the round in flight (overlap) and stop the forward worker."""
         self.finish_round_in_flight()
         self.tp_worker.shutdown()
+
+
+def req_logprobs(recv_req: TokenizedGenerateReqInput) -> ReqLogprobs | None:
+    """A Req's logprob state from the request's fields (the gate checked them)."""
+    lp = recv_req.logprob
+    if lp is None or not lp.return_logprob:
+        return None
+    ids = list(recv_req.input_ids)
+    return ReqLogprobs(ids, lp.start_for(len(ids)), lp.top_logprobs_num, lp.token_ids_logprob or None)

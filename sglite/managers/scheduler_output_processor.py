@@ -38,6 +38,8 @@ class SchedulerOutputProcessor:
                 continue
             if req.is_retracted:
                 continue  # overlap: retracted while this round ran; recomputed after re-admission
+            if req.logprobs is not None:
+                add_input_logprobs(req, batch, result, i)
             if batch.forward_mode.is_extend() and id(req) not in decoding and req.is_chunked > 0:
                 # a non-final chunk: its sampled token is meaningless
                 req.is_chunked -= 1
@@ -45,6 +47,8 @@ class SchedulerOutputProcessor:
                 s.observer.on_req_chunked(req, batch.seq_lens[i])
                 continue
             req.output_ids.append(token_id)
+            if req.logprobs is not None and result.output_logprobs is not None:
+                req.logprobs.add_output(token_id, result.output_logprobs[i])
             if req.first_token_time is None:
                 req.first_token_time = time.perf_counter()
             req.check_finished()
@@ -62,6 +66,7 @@ class SchedulerOutputProcessor:
         reports)."""
         s = self.scheduler
         new_ids = req.output_ids[req.send_token_offset :]
+        logprobs = req.logprobs.take(req.send_token_offset) if req.logprobs is not None else None
         req.send_token_offset = len(req.output_ids)
         finished = req.finished()
         reason = req.finished_reason
@@ -69,7 +74,7 @@ class SchedulerOutputProcessor:
         params = req.sampling_params
         s.send_to_detokenizer(BatchTokenIDOut(
             req.rid, new_ids, finished, req.meta_info() if finished else {"id": req.rid},
-            params.skip_special_tokens, tuple(params.stop_strs), None if params.no_stop_trim else matched))
+            params.skip_special_tokens, tuple(params.stop_strs), None if params.no_stop_trim else matched, logprobs))
         if finished and not isinstance(reason, FINISH_ABORT):
             s.observer.on_req_finished(req)
 
@@ -87,3 +92,13 @@ class SchedulerOutputProcessor:
         self.scheduler.send_to_detokenizer(BatchTokenIDOut(rid, [], True, {
             "id": rid, "prompt_tokens": 1, "completion_tokens": 0, "cached_tokens": 0,
             "finish_reason": {"type": "stop", "matched": None}, "health_check": "answered while busy"}))
+
+
+def add_input_logprobs(req: "Req", batch: "ScheduleBatch", result: "GenerationBatchResult", i: int) -> None:
+    """The prompt logprobs request ``i`` of an extend round computed (none in decode)."""
+    got = result.input_logprobs[i] if result.input_logprobs is not None else None
+    if got is None or not got.token_logprobs or batch.logprob is None or not batch.forward_mode.is_extend():
+        return
+    # its first logprob row is prefix + start; the token that row predicts is one later
+    assert req.logprobs is not None
+    req.logprobs.add_input(batch.prefix_lens[i] + batch.logprob.extend_logprob_start_lens[i] + 1, got)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import jinja2
 
-from sglite.managers.io_struct import AbortReq, BatchStrOut, TokenizedGenerateReqInput
+from sglite.managers.io_struct import AbortReq, BatchStrOut, LogprobParams, TokenizedGenerateReqInput
 from sglite.sampling.sampling_params import SamplingParams, check_utf8, short_repr
 
 if TYPE_CHECKING:
@@ -41,19 +41,25 @@ class TokenizerManager:
     max_total_num_tokens: int
 
     def tokenize(self, rid: str, prompt: Any = None, input_ids: Any = None, messages: Any = None,
-                 sampling_params: Any = None, stream: bool = False,
-                 extra_key: str | None = None) -> TokenizedGenerateReqInput:
+                 sampling_params: Any = None, stream: bool = False, extra_key: str | None = None,
+                 logprob: LogprobParams | None = None) -> TokenizedGenerateReqInput:
         """The request ready for the scheduler, or carrying the reason it cannot run.
-        ``extra_key``: SGLang's cache key (OpenAI's cache_salt); see io_struct."""
+        ``extra_key``: SGLang's cache key (OpenAI's cache_salt); see io_struct.
+        ``logprob``: its logprob fields (kept only when return_logprob is true)."""
         try:
             params = SamplingParams.from_dict(sampling_params)
             params.verify(self.vocab_size)
             check_extra_key(extra_key)
+            if logprob is not None:
+                logprob.check(self.vocab_size)
             text, ids = self._prompt(prompt, input_ids, messages)
             self._validate_one_request(ids)
+            if logprob is not None and logprob.return_logprob:
+                logprob.start_for(len(ids))
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             return TokenizedGenerateReqInput(rid, None, [], SamplingParams(), stream, error=_one_line(e))
-        return TokenizedGenerateReqInput(rid, text, ids, params, stream, extra_key=extra_key)
+        return TokenizedGenerateReqInput(rid, text, ids, params, stream, extra_key=extra_key,
+                                         logprob=logprob if logprob is not None and logprob.return_logprob else None)
 
     def _prompt(self, prompt: Any, input_ids: Any, messages: Any) -> tuple[str | None, list[int]]:
         """(text, token ids) from exactly one of: a prompt, chat messages, token ids."""
@@ -165,6 +171,76 @@ def _one_line(e: Exception) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+# SGLang's logprob fields of a /generate body (and Engine.generate's keywords)
+LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
+                  "return_text_in_logprobs")
+
+
+def logprob_params_each(n: int, return_logprob: Any = False, logprob_start_len: Any = None,
+                        top_logprobs_num: Any = None, token_ids_logprob: Any = None,
+                        return_text_in_logprobs: Any = False) -> list[LogprobParams]:
+    """Each of ``n`` requests' logprob fields, SGLang's batch rule: a value is for every
+    request, a list one per request (token_ids_logprob: a list of ints is for every
+    request, a list of lists one per request); None is the default. RequestError for a
+    list of the wrong length."""
+
+    def each(name: str, value: Any, per_request_list: bool) -> list[Any]:
+        if per_request_list:
+            if len(value) != n:
+                raise RequestError(f"{name} must be one value, or a list of {n}, for a batch of {n}")
+            return list(value)
+        return [value] * n
+
+    flags = each("return_logprob", return_logprob, isinstance(return_logprob, list))
+    starts = each("logprob_start_len", logprob_start_len, isinstance(logprob_start_len, list))
+    tops = each("top_logprobs_num", top_logprobs_num, isinstance(top_logprobs_num, list))
+    nested = isinstance(token_ids_logprob, list) and bool(token_ids_logprob) and isinstance(token_ids_logprob[0], list)
+    ids = each("token_ids_logprob", token_ids_logprob, nested)
+    # every request's fields are checked by the gate, also with return_logprob false
+    return [LogprobParams(False if f is None else f, -1 if s is None else s, 0 if k is None else k, t or None,
+                          return_text_in_logprobs) for f, s, k, t in zip(flags, starts, tops, ids)]
+
+
+LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs",
+                "input_token_ids_logprobs", "output_token_ids_logprobs")
+
+
+@dataclass
+class LogprobOutput:
+    """One request's logprobs as the scheduler sends them, collected, and made into
+    SGLang's meta_info keys (its TokenizerManager's ``convert_logprob_style``): entries
+    ``(logprob, token id, text)``, the text only with return_text_in_logprobs (each
+    token decoded alone); the top and asked-about keys only when asked for."""
+
+    params: LogprobParams
+    tokenizer: "Tokenizer | None" = None  # for the texts
+    collected: dict[str, list[Any]] = field(default_factory=lambda: {k: [] for k in LOGPROB_KEYS})
+
+    def add(self, delta: dict[str, list[Any]] | None) -> None:
+        for key, entries in (delta or {}).items():
+            self.collected[key] += entries
+
+    def meta_info(self, delta: dict[str, list[Any]] | None = None) -> dict[str, Any]:
+        """SGLang's keys for everything collected (or only ``delta``, a stream's new part)."""
+        got = self.collected if delta is None else {k: delta.get(k, []) for k in LOGPROB_KEYS}
+        keys = LOGPROB_KEYS[:2] + (LOGPROB_KEYS[2:4] if self.params.top_logprobs_num else ()) + (
+            LOGPROB_KEYS[4:] if self.params.token_ids_logprob else ())
+        text = self._texter()
+        out: dict[str, Any] = {}
+        for key in keys:
+            if key.endswith("token_logprobs"):
+                out[key] = [(v, t, text(t)) for v, t in got[key]]
+            else:  # per position a list of entries, or None (the first prompt position)
+                out[key] = [None if pos is None else [(v, t, text(t)) for v, t in pos] for pos in got[key]]
+        return out
+
+    def _texter(self) -> Any:
+        tokenizer = self.tokenizer
+        if not self.params.return_text_in_logprobs or tokenizer is None:
+            return lambda token_id: None
+        return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+
+
 @dataclass
 class ServerReqState:
     """One request in flight in the server (SGLang's ReqState): what came back so far,
@@ -180,6 +256,11 @@ class ServerReqState:
     meta_info: dict[str, Any] = field(default_factory=dict)
     first_token_time: float | None = None
     last_token_time: float | None = None
+    logprob: LogprobOutput | None = None  # return_logprob: what came of it
+
+    def result_meta(self) -> dict[str, Any]:
+        """meta_info as a route answers it: the request's, its logprobs so far."""
+        return dict(self.meta_info, **(self.logprob.meta_info() if self.logprob is not None else {}))
 
 
 @dataclass
@@ -193,6 +274,7 @@ class ReqSpec:
     sampling_params: Any = None
     stream: bool = False
     extra_key: Any = None
+    logprob: LogprobParams | None = None
 
     def work_size(self) -> int:
         """Characters the tokenizer reads, or token ids the gate checks: what decides
@@ -271,6 +353,9 @@ class ServerTokenizerManager:
         then all are sent. ``trace_parent``: the W3C traceparent their spans continue."""
         rids = [check_rid(s.rid) for s in specs]
         states = self._claim(rids)
+        for state, spec in zip(states, specs):
+            if spec.logprob is not None and spec.logprob.return_logprob:
+                state.logprob = LogprobOutput(spec.logprob, self.gate.tokenizer)
         try:
             reqs = await self._tokenize(specs)
             for i, req in enumerate(reqs):
@@ -303,7 +388,7 @@ class ServerTokenizerManager:
     async def _tokenize(self, specs: list[ReqSpec]) -> list[TokenizedGenerateReqInput]:
         def run() -> list[TokenizedGenerateReqInput]:
             return [self.gate.tokenize(s.rid, s.prompt, s.input_ids, s.messages, s.sampling_params, s.stream,
-                                       s.extra_key) for s in specs]
+                                       s.extra_key, s.logprob) for s in specs]
 
         if sum(s.work_size() for s in specs) <= INLINE_WORK:
             return run()
@@ -374,6 +459,8 @@ class ServerTokenizerManager:
         state.text += out.new_text
         state.output_ids += out.new_token_ids
         state.outs.append(out)
+        if state.logprob is not None:
+            state.logprob.add(out.logprobs)
         if out.new_token_ids:
             self.last_output_tstamp = now
             if state.first_token_time is None:

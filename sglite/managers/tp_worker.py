@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sglite.layers.logits_processor import PositionLogprobs, add_position_logprobs
 from sglite.model_executor.forward_batch_info import ForwardBatch
 from sglite.model_executor.model_runner import ModelRunner
 from sglite.server_args import ServerArgs
@@ -54,6 +55,10 @@ class GenerationBatchResult:
     error: BaseException | None = None
     # tp > 1: per rank, [its forward's seconds, of which in all-reduce / all-gather]
     tp_timings: list[list[float]] = field(default_factory=list)
+    # per request of the batch, when one asked for logprobs: its prompt positions'
+    # (extend rounds; None: none this round) and its sampled token's
+    input_logprobs: list[PositionLogprobs] | None = None
+    output_logprobs: list[PositionLogprobs] | None = None
 
     @property
     def forward_time(self) -> float:
@@ -64,8 +69,16 @@ def run_forward(model_runner: ModelRunner, forward_batch: ForwardBatch, result: 
     """Forward and sample one batch, stamping the result's times; the sampled ids."""
     result.forward_started = time.monotonic()
     logits = model_runner.forward(forward_batch)
-    next_token_ids = model_runner.sample(logits, forward_batch)
+    next_token_ids, logprobs = model_runner.sample(logits, forward_batch)
     result.next_token_ids = next_token_ids.tolist()
+    if logprobs is not None:
+        meta = forward_batch.logprob
+        assert meta is not None
+        result.output_logprobs = [PositionLogprobs(top=[] if k else None, token_ids=[] if ids else None)
+                                  for k, ids in zip(meta.top_logprobs_nums, meta.token_ids_logprobs)]
+        add_position_logprobs(result.output_logprobs, list(range(len(result.next_token_ids))), logprobs,
+                              result.next_token_ids, meta)
+        result.input_logprobs = forward_batch.input_logprobs
     result.forward_finished = time.monotonic()
     result.tp_timings = model_runner.last_tp_timings
     return next_token_ids

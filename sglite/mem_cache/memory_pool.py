@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from collections import deque
 
 import torch
@@ -43,6 +45,32 @@ class ReqToTokenPool:
         self.forward_launched = 0
         self.forward_done = 0
         self._held: list[tuple[int, int]] = []  # (row, forward that may still read it)
+        # tp > 1 (track_rewrites): positions of live rows rewritten outside a round's own
+        # writes (the radix cache pointing a row at its copy of a prefix and freeing the
+        # duplicate slots); the next forward carries them to the other ranks, whose
+        # tables know only the rounds' writes. A lock: the overlap loop's forward thread
+        # takes them while the scheduler adds more.
+        self._rewrites: dict[int, dict[int, int]] | None = None  # row -> {position: slot}
+        self._rewrites_lock = threading.Lock()
+
+    def track_rewrites(self) -> None:
+        self._rewrites = {}
+
+    def rewrite(self, req_pool_idx: int, start: int, values: torch.Tensor) -> None:
+        """``write`` for a live row outside the rounds' writes (tracked under tp > 1)."""
+        self.write(req_pool_idx, start, values)
+        if self._rewrites is not None:
+            with self._rewrites_lock:
+                row = self._rewrites.setdefault(req_pool_idx, {})
+                row.update(zip(range(start, start + len(values)), values.tolist()))
+
+    def take_rewrites(self) -> list[tuple[int, list[int], list[int]]]:
+        """The rewrites since the last call: (row, positions, slots) of rows still live."""
+        if self._rewrites is None:
+            return []
+        with self._rewrites_lock:
+            taken, self._rewrites = self._rewrites, {}
+        return [(idx, list(row), list(row.values())) for idx, row in taken.items()]
 
     def available_size(self) -> int:
         """Free rows, counting those held back for an in-flight forward."""
@@ -68,6 +96,10 @@ class ReqToTokenPool:
         for idx in free_index:
             if idx in self.free_slots or idx in held or not 0 <= idx < self.size:
                 raise RuntimeError(f"double free or bad req_pool_idx {idx}")
+        if self._rewrites is not None:
+            with self._rewrites_lock:  # a freed row's rewrites must not reach its next owner
+                for idx in free_index:
+                    self._rewrites.pop(idx, None)
         if self.forward_launched > self.forward_done:
             self._held += [(idx, self.forward_launched) for idx in free_index]
         else:

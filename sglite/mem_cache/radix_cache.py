@@ -376,7 +376,7 @@ class RadixCache(BasePrefixCache):
         assert len(new_indices) == aligned, "a just-inserted prefix must match in full"
         # the freed duplicates must not stay in req_to_token: point those positions at
         # the tree's copy (from the page boundary, so no freed page is left behind)
-        self.req_to_token_pool.write(idx, start, new_indices[start:])
+        self.req_to_token_pool.rewrite(idx, start, new_indices[start:])
         self.inc_lock_ref(new_last_node)
         self.dec_lock_ref(req.last_node)
         req.prefix_indices = torch.cat([new_indices, kv_indices[aligned:]])

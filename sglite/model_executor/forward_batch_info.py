@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from sglite.layers.logits_processor import LogprobMetadata, PositionLogprobs
     from sglite.managers.schedule_batch import ModelWorkerBatch
     from sglite.model_executor.model_runner import ModelRunner
     from sglite.layers.attention.base_attn_backend import AttentionBackend
@@ -63,8 +64,20 @@ class ForwardBatch:
     req_to_token_pool: "ReqToTokenPool | None" = None
     token_to_kv_pool: "MHATokenToKVPool | None" = None
     attn_backend: "AttentionBackend | None" = None
-    # sglite: return logits for every row, not only each request's last (tests, logprobs)
+    # sglite: return logits for every row, not only each request's last (tests)
     return_all_logits: bool = False
+    # the logprobs the round returns (None: no request asked); the LogitsProcessor leaves
+    # the prompt positions' here, per request
+    logprob: "LogprobMetadata | None" = None
+    input_logprobs: "list[PositionLogprobs] | None" = None
+
+    def extend_start_loc_cpu(self) -> list[int]:
+        """Each request's first row in an extend batch."""
+        starts, at = [], 0
+        for n in self.extend_seq_lens_cpu or []:
+            starts.append(at)
+            at += n
+        return starts
 
     @classmethod
     def init_new(cls, batch: "ModelWorkerBatch", model_runner: "ModelRunner") -> "ForwardBatch":
@@ -88,6 +101,7 @@ class ForwardBatch:
             token_to_kv_pool=model_runner.token_to_kv_pool,
             attn_backend=model_runner.attn_backend,
             return_all_logits=batch.return_all_logits,
+            logprob=batch.logprob,
         )
         if fb.forward_mode.is_decode():
             # seq_lens already count the token being decoded
@@ -117,7 +131,11 @@ class ForwardBatchBroadcast:
     that ForwardBatch.init_new reads, plus ``prefix_slots``: the KV slots of each
     extend row's cached prefix (the radix tree's match, or its own earlier chunks),
     which only rank 0's table has. A decode row's earlier slots were sent when it was
-    prefilled; its new slot is its out_cache_loc."""
+    prefilled, its new slot is its out_cache_loc; and ``rewrites`` carries what rank 0
+    changed in live rows since the last forward (the radix cache pointing a request's
+    positions at its own copy of a prefix, after freeing the duplicate slots: without
+    it a later decode on the other ranks read slots that another request then
+    overwrote)."""
 
     forward_mode: ForwardMode
     input_ids: torch.Tensor  # on the CPU
@@ -128,6 +146,9 @@ class ForwardBatchBroadcast:
     extend_lens: list[int]
     prefix_slots: torch.Tensor  # extend: req_to_token[idx, :prefix_len] of each row, one after another
     return_all_logits: bool = False
+    # which rows give prompt logprobs: every rank computes their logits (all-gathers)
+    logprob: "LogprobMetadata | None" = None
+    rewrites: list[tuple[int, list[int], list[int]]] | None = None  # (row, positions, slots)
     sampling_info: None = None  # the other ranks do not sample
 
     @classmethod
@@ -138,7 +159,8 @@ class ForwardBatchBroadcast:
         slots = [table[idx, :p] for idx, p in zip(fb.req_pool_indices.tolist(), prefix)]
         return cls(fb.forward_mode, fb.input_ids.cpu(), fb.req_pool_indices.tolist(), list(fb.seq_lens_cpu),
                    fb.out_cache_loc.cpu(), prefix, fb.extend_seq_lens_cpu or [],
-                   torch.cat(slots).cpu() if slots else torch.empty(0, dtype=torch.int64), fb.return_all_logits)
+                   torch.cat(slots).cpu() if slots else torch.empty(0, dtype=torch.int64), fb.return_all_logits,
+                   fb.logprob, fb.req_to_token_pool.take_rewrites())
 
     def to_forward_batch(self, model_runner: "ModelRunner") -> ForwardBatch:
         """Write the rows' slots into this rank's req_to_token, then the ForwardBatch."""
@@ -153,4 +175,6 @@ class ForwardBatchBroadcast:
                 table[idx, :p] = self.prefix_slots[done : done + p].to(table.device)
                 table[idx, p : p + e] = self.out_cache_loc[row_start : row_start + e].to(table.device)
                 done, row_start = done + p, row_start + e
+        for idx, positions, slots in self.rewrites or []:  # (the latest: after the round's writes)
+            table[idx, torch.as_tensor(positions, device=table.device)] = torch.as_tensor(slots, device=table.device)
         return ForwardBatch.init_new(self, model_runner)  # type: ignore[arg-type]

@@ -325,6 +325,8 @@ class ModelRunner:
         # loop holds freed rows back until the forward reading them is done, so twice that
         rows = (max_reqs + 1) * (1 if sa.disable_overlap_schedule else 2)
         self.req_to_token_pool = ReqToTokenPool(rows, self.context_len + REQ_TO_TOKEN_EXTRA_COLUMNS, self.device)
+        if self.tp_size > 1:
+            self.req_to_token_pool.track_rewrites()  # (ForwardBatchBroadcast carries them)
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_total, sa.page_size, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
             max_total, sa.page_size, self.dtype, self.num_kv_heads, c.head_dim, c.num_hidden_layers, self.device
@@ -385,5 +387,11 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
-    def sample(self, logits: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        return self.sampler(logits, forward_batch.sampling_info)
+    def sample(self, logits: torch.Tensor, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampled ids, and the rows' logprobs (Sampler.logprobs) when a request of
+        the batch asked for them."""
+        info = forward_batch.sampling_info
+        penalized = self.sampler.penalized(logits, info)
+        ids = self.sampler.sample(penalized, info)
+        wants = forward_batch.logprob is not None and any(forward_batch.logprob.return_logprob)
+        return ids, self.sampler.logprobs(penalized, info) if wants else None

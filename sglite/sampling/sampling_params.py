@@ -38,6 +38,7 @@ class SamplingParams:
     no_stop_trim: bool = False
     # sglite: a per-request seed makes sampling reproducible whatever the batch holds
     seed: int | None = None
+    n: int = 1  # SGLang's parallel samples: only 1 here (OpenAI's n makes n requests)
     stop_strs: list[str] = field(default_factory=list, repr=False)
 
     @classmethod
@@ -63,7 +64,7 @@ class SamplingParams:
     def check_types(self) -> None:
         """Every field has its type: ints are ints (not bools or floats), floats are
         finite numbers, flags are bools, stop is a str or a list of non-empty strs."""
-        for name in ("max_new_tokens", "top_k"):
+        for name in ("max_new_tokens", "top_k", "n"):
             _need_int(name, getattr(self, name))
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
             _need_finite(name, getattr(self, name))
@@ -99,6 +100,9 @@ class SamplingParams:
         (``vocab_size`` None: all but the stop_token_ids' range, for a check before a
         model is loaded)."""
         self.check_types()
+        if self.n != 1:
+            raise ValueError(f"n must be 1 in sampling_params (several samples of one prompt: /v1/completions or "
+                             f"/v1/chat/completions with n), got {self.n}")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if self.temperature < 0:

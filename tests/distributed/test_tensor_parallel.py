@@ -70,14 +70,22 @@ def _follower_pids(engine: Engine) -> list[int]:
 def test_tp2_in_bfloat16_is_batch_invariant_within_itself():
     """tp 2's all-reduce adds the two shards' partial sums, so in bfloat16 it may part
     from tp 1 (docs/tensor_parallel.md); within tp 2 a request's tokens still do not
-    depend on its batch: under the pressure above, each equals its solo tp 2 run."""
+    depend on its batch: under the pressure above, each equals its solo tp 2 run, and so
+    do its logprobs (the prompt's from position 0: their logits all-gathered block by
+    block on every rank)."""
     prompts, params = workload()
     seeded = [dict(p, temperature=0.8, seed=i) if i % 3 == 0 else p for i, p in enumerate(params)]
+    lp = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
+
+    def kept(out: dict) -> tuple:
+        meta = out["meta_info"]
+        return out["output_ids"], meta["input_token_logprobs"], meta["output_top_logprobs"]
+
     with Engine("tiny-random", tp_size=2, dtype="bfloat16", log_level="error") as engine:
-        solo = [engine.generate(input_ids=p, sampling_params=sp)["output_ids"] for p, sp in zip(prompts, seeded)]
+        solo = [kept(engine.generate(input_ids=p, sampling_params=sp, **lp)) for p, sp in zip(prompts, seeded)]
     with Engine("tiny-random", tp_size=2, dtype="bfloat16", log_level="error", **PRESSURE) as engine:
-        batched = engine.generate(input_ids=prompts, sampling_params=seeded)
-    assert [o["output_ids"] for o in batched] == solo
+        batched = engine.generate(input_ids=prompts, sampling_params=seeded, **lp)
+    assert [kept(o) for o in batched] == solo
 
 
 def test_a_rank_that_dies_stops_the_engine_with_an_error_naming_it():

@@ -184,6 +184,54 @@ def test_64_concurrent_streams_all_complete_with_the_right_tokens(server, engine
     assert server.state()["num_running_reqs"] == 0
 
 
+def test_logprobs_in_sglang_s_shapes_native_and_openai(server, engine):
+    """SGLang's fields and shapes; the values are the offline engine's, bit for bit."""
+    ids, k = [5, 6, 7, 8, 9, 10, 11, 12], 3
+    lp = {"return_logprob": True, "logprob_start_len": 2, "top_logprobs_num": k, "token_ids_logprob": [1, 2],
+          "return_text_in_logprobs": True}
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0}, **lp}
+    got = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
+    want = engine.generate(input_ids=ids, sampling_params=body["sampling_params"], **lp)
+    meta = got["meta_info"]
+    assert json.loads(json.dumps(want["meta_info"]))["output_token_logprobs"] == meta["output_token_logprobs"]
+    assert len(meta["input_token_logprobs"]) == len(ids) - 2 and meta["input_token_logprobs"][0] == [None, 7, "%"]
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == ids[2:]
+    assert meta["input_top_logprobs"][0] is None and all(len(p) == k for p in meta["input_top_logprobs"][1:])
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == got["output_ids"]
+    assert "".join(text for _, _, text in meta["output_token_logprobs"]) == got["text"]
+    assert all(top[0] == tok for top, tok in zip(meta["output_top_logprobs"], meta["output_token_logprobs"]))
+    assert all([t for _, t, _ in p] == [1, 2] for p in meta["output_token_ids_logprobs"])
+    with httpx.stream("POST", f"{server.url}/generate", json=body | {"stream": True}, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["meta_info"]["output_token_logprobs"] == meta["output_token_logprobs"]  # cumulative
+    plain = httpx.post(f"{server.url}/generate", json={"input_ids": ids, "return_logprob": False,
+                                                      "top_logprobs_num": 0, "logprob_start_len": 0}, timeout=60)
+    assert plain.status_code == 200 and "input_token_logprobs" not in plain.json()["meta_info"]
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    chat = client.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "Hello"}],
+                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == c.logprob for c in content)
+    offline = engine.generate(messages=[{"role": "user", "content": "Hello"}], return_logprob=True,
+                              sampling_params={"max_new_tokens": 4, "temperature": 0})
+    assert [c.logprob for c in content] == [v for v, _, _ in offline["meta_info"]["output_token_logprobs"]]
+    echo = client.completions.create(model="tiny-random", prompt="1 2 3 4", max_tokens=3, temperature=0,
+                                     logprobs=2, echo=True)
+    choice = echo.choices[0]
+    assert choice.text.startswith("1 2 3 4") and choice.logprobs.token_logprobs[0] is None
+    assert len(choice.logprobs.tokens) == echo.usage.prompt_tokens + echo.usage.completion_tokens
+    assert "".join(choice.logprobs.tokens) == choice.text
+    chunks = list(client.completions.create(model="tiny-random", prompt="1 2 3 4", max_tokens=3, temperature=0,
+                                            logprobs=2, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    streamed = [v for c in chunks for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == choice.logprobs.token_logprobs
+    two = client.completions.create(model="tiny-random", prompt=["1 2 3 4", "1 2 3 4"], max_tokens=2)
+    assert two.usage.prompt_tokens == 2 * echo.usage.prompt_tokens  # SGLang sums the prompts
+
+
 def test_a_client_that_disconnects_frees_its_kv_at_once(server):
     before = server.metrics()
     body = {"input_ids": [1, 2, 3], "stream": True,
@@ -216,7 +264,15 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_new_tokens must be"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature must be >= 0"),
     ("/v1/completions", {"prompt": 5}, "prompt must be"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 1}, "logprobs is not supported"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs must be an integer from 0 to 20"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": -1}, "top_logprobs must be an integer from 0 to 20"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": True}, "logprobs must be an integer"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 1},
+     "logprobs must be true or false"),
+    ("/generate", {"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 2},
+     "is higher than the number of input tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"n": 2}}, "n must be 1 in sampling_params"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, "n must be"),
     ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, "unknown parameter 'frobnicate'"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages must be"),

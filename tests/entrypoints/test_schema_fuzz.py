@@ -52,5 +52,5 @@ def test_the_body_models_take_the_fields_the_routes_take():
     params = {f for f in SamplingParams.__dataclass_fields__ if f != "stop_strs"}
     assert set(protocol.SamplingParamsInput.model_fields) == params
     openai_fields = set(openai_api.SAMPLING_KEYS) | set(openai_api.UNSUPPORTED) | set(openai_api.IGNORED_KEYS)
-    assert set(protocol.CompletionRequest.model_fields) == openai_fields - {"messages"}
-    assert set(protocol.ChatCompletionRequest.model_fields) == openai_fields - {"prompt"}
+    assert set(protocol.CompletionRequest.model_fields) == openai_fields | openai_api.COMPLETION_KEYS
+    assert set(protocol.ChatCompletionRequest.model_fields) == openai_fields | openai_api.CHAT_KEYS

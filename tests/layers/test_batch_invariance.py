@@ -7,10 +7,13 @@ tests/managers/test_batch_invariance.py's."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Callable
 
 import pytest
 import torch
+
+from sglite.layers.sampler import Sampler
 
 from sglite.layers.cpu_ops import load_cpu_ops
 
@@ -71,6 +74,27 @@ def test_rmsnorm_and_silu(dtype, hidden):
 
     same_row_in_every_batch(rmsnorm, hidden, dtype)
     same_row_in_every_batch(silu, 2 * hidden, dtype)
+
+
+def test_logprobs_log_softmax_and_top_tokens():
+    """A row's logprobs (Sampler.logprobs: penalized logits over its temperature) and its
+    top tokens, over a vocabulary of SmolLM2's size (the logits are float32)."""
+    vocab = 49152
+
+    def logprobs(x: torch.Tensor) -> torch.Tensor:
+        temperatures = torch.full((x.shape[0], 1), 0.7)
+        temperatures[0] = 1.3  # (a row's own temperature: the others' must not matter)
+        info = SimpleNamespace(temperatures=temperatures)
+        out = Sampler.logprobs(x, info)  # type: ignore[arg-type]
+        values, ids = out.topk(20, dim=-1)
+        return torch.cat([out, values, ids.float()], dim=-1)
+
+    row = torch.randn(1, vocab, generator=gen(1)) * 8
+    alone = logprobs(row)[0]
+    for n in SIZES:
+        batch = torch.randn(n, vocab, generator=gen(n)) * 8
+        batch[0] = row[0]
+        assert torch.equal(logprobs(batch)[0], alone), n
 
 
 H, KVH, D = 9, 3, 64

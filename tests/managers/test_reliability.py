@@ -11,6 +11,7 @@ import threading
 import pytest
 
 from sglite.engine import Engine
+from sglite.managers.tokenizer_manager import LOGPROB_FIELDS, logprob_params_each
 
 GOOD = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
 
@@ -93,6 +94,16 @@ BAD_REQUESTS: list[tuple[str, dict, str]] = [
     ("a prompt of a million characters", {"prompt": "a" * 10**6}, "characters, more than the 2042 tokens that fit"),
     ("extra_key is an int", {"prompt": "hi", "extra_key": 5}, "cache_salt / extra_key must be a non-empty string"),
     ("extra_key is empty", {"prompt": "hi", "extra_key": ""}, "cache_salt / extra_key must be a non-empty string"),
+    ("n is 2 in sampling_params", {"prompt": "hi", "sampling_params": {"n": 2}}, "n must be 1 in sampling_params"),
+    ("return_logprob is a string", {"prompt": "hi", "return_logprob": "yes"}, "return_logprob must be true or false"),
+    ("logprob_start_len past the prompt", {"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 2},
+     "logprob_start_len=2 is higher than the number of input tokens (2)"),
+    ("logprob_start_len is -2", {"prompt": "hi", "return_logprob": True, "logprob_start_len": -2},
+     "logprob_start_len must be -1"),
+    ("top_logprobs_num is 21", {"prompt": "hi", "return_logprob": True, "top_logprobs_num": 21},
+     "top_logprobs_num must be in [0, 20], got 21"),
+    ("token_ids_logprob outside the vocabulary", {"prompt": "hi", "return_logprob": True,
+                                                  "token_ids_logprob": [10**9]}, "token_ids_logprob has 1000000000"),
 ]
 
 # (what was tried, Engine keyword arguments, a fragment of the ValueError)
@@ -131,8 +142,9 @@ def engine():
 def test_a_bad_request_gets_its_error_and_its_batch_mate_runs(engine, what, kwargs, message):
     alone = engine.generate(input_ids=[5, 6, 7], sampling_params=GOOD)
     bad = {"prompt": None, "input_ids": None, "messages": None, "sampling_params": GOOD, "extra_key": None, **kwargs}
+    logprob = logprob_params_each(1, **{k: v for k, v in kwargs.items() if k in LOGPROB_FIELDS})[0]
     rid_bad = engine.submit(bad["prompt"], input_ids=bad["input_ids"], messages=bad["messages"],
-                            sampling_params=bad["sampling_params"], extra_key=bad["extra_key"])
+                            sampling_params=bad["sampling_params"], extra_key=bad["extra_key"], logprob=logprob)
     good = engine.generate(input_ids=[5, 6, 7], sampling_params=GOOD)
     assert engine.is_finished(rid_bad)
     res = engine.result(rid_bad)
