@@ -12,7 +12,8 @@ from walkthroughs.core import Narrator, Walkthrough, WalkthroughFailed
 MODULES = {"event-loop": "event_loop", "two-requests": "two_requests", "chunked-prefill": "chunked_prefill",
            "retract": "retract", "mixed": "mixed", "radix-cache": "radix_cache", "growing-queue": "growing_queue",
            "why-waiting": "why_waiting",
-           "tracing": "tracing_walk", "overlap": "overlap", "tensor-parallel": "tensor_parallel"}
+           "tracing": "tracing_walk", "overlap": "overlap", "tensor-parallel": "tensor_parallel",
+           "batch-invariance": "batch_invariance"}
 
 
 def registry() -> dict[str, Walkthrough]:
