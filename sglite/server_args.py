@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,7 +95,20 @@ class ServerArgs:
     enable_busy_self_check: bool = _opt(False, "walk every KV page after every iteration, not only when idle "
                                         "(SGLang's busy check; for debugging)")
 
+    def _apply_env_knobs(self) -> None:
+        """SGLang's environment variables for the timeouts (seconds; 0 or less: off),
+        where the flags leave them unset; and a check of SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION,
+        which admission reads (schedule_policy)."""
+        for name, var in (("waiting_timeout", "SGLANG_REQ_WAITING_TIMEOUT"),
+                          ("running_timeout", "SGLANG_REQ_RUNNING_TIMEOUT")):
+            seconds = env_knob(var, -1.0, float)
+            if getattr(self, name) is None and seconds > 0:
+                setattr(self, name, seconds)
+        if env_knob("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION", 4096, int) <= 0:
+            raise ValueError("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION must be a positive integer")
+
     def __post_init__(self) -> None:
+        self._apply_env_knobs()
         self._check_types()
         self._check_ranges()
         self._check_tp()
@@ -236,3 +250,15 @@ class PortArgs:
     @classmethod
     def init_new(cls, folder: str) -> "PortArgs":
         return cls(*(f"ipc://{folder}/{name}" for name in ("tokenizer", "scheduler_input", "detokenizer", "events")))
+
+
+def env_knob(name: str, default: Any, kind: type) -> Any:
+    """An SGLang environment variable's value (``default`` when unset or empty);
+    ValueError naming it when it is not a ``kind``."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}") from None

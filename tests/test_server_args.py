@@ -67,3 +67,32 @@ def test_a_torch_native_engine_says_it_is_not_batch_invariant(caplog):
         Engine("tiny-random", attention_backend="torch_native", max_total_tokens=256,
                enable_deterministic_inference=False).shutdown()
     assert "batch-invariant" not in caplog.text
+
+
+def test_sglang_s_environment_knobs(monkeypatch):
+    """SGLANG_REQ_WAITING_TIMEOUT / SGLANG_REQ_RUNNING_TIMEOUT (seconds; 0 or less: off)
+    where the flags are unset; SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION checked; bad values
+    are one line naming the variable."""
+    monkeypatch.setenv("SGLANG_REQ_WAITING_TIMEOUT", "2.5")
+    monkeypatch.setenv("SGLANG_REQ_RUNNING_TIMEOUT", "-1")
+    args = ServerArgs(model_path="tiny-random")
+    assert args.waiting_timeout == 2.5 and args.running_timeout is None
+    assert ServerArgs(model_path="tiny-random", waiting_timeout=9.0).waiting_timeout == 9.0  # the flag wins
+    monkeypatch.setenv("SGLANG_REQ_RUNNING_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="SGLANG_REQ_RUNNING_TIMEOUT='soon' is not a number"):
+        ServerArgs(model_path="tiny-random")
+    monkeypatch.delenv("SGLANG_REQ_RUNNING_TIMEOUT")
+    monkeypatch.setenv("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION", "0")
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        ServerArgs(model_path="tiny-random")
+
+    def first_round(clip: str) -> int:
+        """Requests admitted in the first round: admission reserves min(max_new_tokens, clip) each."""
+        monkeypatch.setenv("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION", clip)
+        with Engine("tiny-random", max_total_tokens=256, log_level="error") as engine:
+            for i in range(8):
+                engine.submit(input_ids=[5 + i] * 10, sampling_params={"max_new_tokens": 100})
+            engine.step()
+            return engine.scheduler.cur_batch.batch_size()
+
+    assert first_round("4096") < first_round("1") == 8

@@ -35,6 +35,7 @@ from sglite.managers.io_struct import (HEALTH_CHECK_RID_PREFIX, DebugControlReq,
                                        GetInternalStateReq)
 from sglite.managers.tokenizer_manager import (LOGPROB_FIELDS, Claim, ReqSpec, RequestError, ServerReqState,
                                                ServerTokenizerManager, logprob_params_each)
+from sglite.sampling.sampling_params import check_utf8
 from sglite.server_args import ServerArgs
 
 MAX_BATCH = oai.MAX_BATCH  # requests in one body: a /generate batch, or prompts x n of an OpenAI request
@@ -112,6 +113,7 @@ def build_app(manager: ServerTokenizerManager, info: ServerInfo, policy: Securit
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     _native_routes(app, manager, info)
+    _token_routes(app, manager)
     _openai_routes(app, manager, info)
     _debug_routes(app, manager, info)
     _describe_bodies(app)
@@ -192,6 +194,61 @@ def _flag(body: dict[str, Any], name: str) -> bool:
     return value
 
 
+# --- tokenize / detokenize ----------------------------------------------------------
+
+
+def _token_routes(app: FastAPI, manager: ServerTokenizerManager) -> None:
+    """SGLang's /tokenize and /detokenize (also under /v1): the served model's tokenizer,
+    on the tokenizing thread (a long text costs its own wait, not the event loop's)."""
+
+    @app.post("/tokenize", openapi_extra=protocol.body(protocol.TokenizeRequest))
+    @app.post("/v1/tokenize", openapi_extra=protocol.body(protocol.TokenizeRequest))
+    async def tokenize(request: Request) -> Response:
+        body = await _json(request)
+        _known(body, {"model", "prompt", "add_special_tokens"})
+        prompt, tokenizer, special = body.get("prompt"), _tokenizer(manager), body.get("add_special_tokens", True)
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise RequestError("prompt must be a string or a list of strings")
+        if not isinstance(special, bool):
+            raise RequestError("add_special_tokens must be true or false")
+        for t in texts:
+            check_utf8("the prompt", t)
+        ids = await asyncio.get_running_loop().run_in_executor(
+            manager.tokenize_pool, lambda: [tokenizer.encode(t, special) for t in texts])
+        one = isinstance(prompt, str)
+        return JSONResponse({"tokens": ids[0] if one else ids, "count": len(ids[0]) if one else [len(i) for i in ids],
+                             "max_model_len": manager.gate.context_len})
+
+    @app.post("/detokenize", openapi_extra=protocol.body(protocol.DetokenizeRequest))
+    @app.post("/v1/detokenize", openapi_extra=protocol.body(protocol.DetokenizeRequest))
+    async def detokenize(request: Request) -> Response:
+        body = await _json(request)
+        _known(body, {"model", "tokens", "skip_special_tokens"})
+        tokens, skip, tokenizer = body.get("tokens"), body.get("skip_special_tokens", True), _tokenizer(manager)
+        lists = tokens if isinstance(tokens, list) and tokens and isinstance(tokens[0], list) else [tokens]
+        vocab = manager.gate.vocab_size
+        if not all(isinstance(ids, list) and all(type(t) is int and 0 <= t < vocab for t in ids) for ids in lists):
+            raise RequestError(f"Invalid input: 'tokens' must be a list of integers (token ids 0..{vocab - 1}).")
+        if not isinstance(skip, bool):
+            raise RequestError("skip_special_tokens must be true or false")
+        texts = await asyncio.get_running_loop().run_in_executor(
+            manager.tokenize_pool, lambda: [tokenizer.decode(ids, skip_special_tokens=skip) for ids in lists])
+        return JSONResponse({"text": texts if lists is tokens else texts[0]})
+
+
+def _known(body: dict[str, Any], fields: set[str]) -> None:
+    unknown = set(body) - fields
+    if unknown:
+        raise RequestError(f"unknown field(s): {', '.join(sorted(map(repr, unknown)))}")
+
+
+def _tokenizer(manager: ServerTokenizerManager) -> Any:
+    if manager.gate.tokenizer is None:
+        raise RequestError("this model has no tokenizer")
+    return manager.gate.tokenizer
+
+
 # --- native routes -------------------------------------------------------------------
 
 
@@ -268,8 +325,22 @@ async def _generate(request: Request, manager: ServerTokenizerManager, trace_par
         states = await _collect_all(manager, claim, request)
     finally:
         claim.release()
+    unavailable = _status_error(states)
+    if unavailable is not None:
+        return unavailable
     results = [_native_result(s) for s in states]
     return JSONResponse(results if batch else results[0])
+
+
+def _status_error(states: list[ServerReqState]) -> Response | None:
+    """SGLang's answer to a request the scheduler aborted with an HTTP status (503: a
+    waiting or running timeout): that status and an error body, not a result."""
+    for state in states:
+        reason = state.meta_info.get("finish_reason") or {}
+        if reason.get("status_code"):
+            code = int(reason["status_code"])
+            return _ascii_json(oai.error_body(reason.get("message", ""), code=code, kind=str(code)), code)
+    return None
 
 
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "stream", "extra_key", "cache_salt",
@@ -486,7 +557,7 @@ async def _event_stream(address: str) -> AsyncIterator[bytes]:
 def _openai_routes(app: FastAPI, manager: ServerTokenizerManager, info: ServerInfo) -> None:
     def model_card() -> dict[str, Any]:
         return {"id": info.model_name, "object": "model", "created": info.created, "owned_by": "sglite",
-                "root": info.server_args.model_path}
+                "root": info.server_args.model_path, "parent": None, "max_model_len": manager.gate.context_len}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -538,6 +609,9 @@ async def _openai(request: Request, manager: ServerTokenizerManager, info: Serve
     errors = [s.meta_info["error"] for s in states if "error" in s.meta_info]
     if errors:  # (a round that failed inside the scheduler)
         return _ascii_json(oai.error_body(errors[0], code=500, kind="InternalServerError"), 500)
+    unavailable = _status_error(states)
+    if unavailable is not None:
+        return unavailable
     texts, metas = [e + s.text for e, s in zip(echoes, states)], [s.result_meta() for s in states]
     if chat:
         return JSONResponse(oai.chat_response(rid, info.model_name, texts, metas, n))
@@ -584,7 +658,8 @@ async def _openai_stream(manager: ServerTokenizerManager, claim: Claim, how: Ope
                         oai.completion_logprobs(meta, how.echo and first, start))
         if first and how.echoes[index]:
             text = how.echoes[index] + text
-        return oai.stream_chunk(how.rid, how.model, how.chat, index, text, reason, first, logprobs)
+        stop = oai.matched_stop(state.meta_info) if state.finished else None
+        return oai.stream_chunk(how.rid, how.model, how.chat, index, text, reason, first, logprobs, stop)
 
     metas: dict[int, dict[str, Any]] = {}
     async with contextlib.aclosing(_merge(manager, claim, chunk)) as events:
@@ -592,8 +667,9 @@ async def _openai_stream(manager: ServerTokenizerManager, claim: Claim, how: Ope
             yield f"data: {json.dumps(event)}\n\n".encode()
             if meta is not None:
                 metas[index] = meta
-                if "error" in meta:
-                    yield f"data: {json.dumps({'error': oai.error_body(meta['error'])})}\n\n".encode()
+                error = oai.stream_error(meta)
+                if error is not None:
+                    yield f"data: {json.dumps({'error': error})}\n\n".encode()
     if include_usage:
         ordered = [metas[i] for i in sorted(metas)]
         last = oai.stream_chunk(how.rid, how.model, how.chat, 0, None, None) | {

@@ -16,6 +16,7 @@ import uuid
 from typing import Any
 
 from sglite.managers.io_struct import MAX_TOP_LOGPROBS, LogprobParams
+from sglite.sampling.sampling_params import UNLIMITED_NEW_TOKENS
 
 # OpenAI parameter -> sglite sampling parameter
 SAMPLING_KEYS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
@@ -23,8 +24,8 @@ SAMPLING_KEYS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_n
                  "stop": "stop", "seed": "seed", "frequency_penalty": "frequency_penalty",
                  "presence_penalty": "presence_penalty", "repetition_penalty": "repetition_penalty",
                  "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
-                 "stop_token_ids": "stop_token_ids"}
-IGNORED_KEYS = {"model", "stream", "stream_options", "n", "user", "logit_bias",
+                 "stop_token_ids": "stop_token_ids", "min_tokens": "min_new_tokens", "logit_bias": "logit_bias"}
+IGNORED_KEYS = {"model", "stream", "stream_options", "n", "user",
                 "response_format", "parallel_tool_calls", "service_tier", "store", "metadata",
                 "cache_salt", "extra_key"}  # (the last two: extra_key_of)
 # what only one route takes (read by prompts_of / the messages, logprob_params, echo_of)
@@ -33,7 +34,7 @@ CHAT_KEYS = {"messages", "logprobs", "top_logprobs"}
 UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
                "functions": (None, []), "function_call": (None, "none")}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-NO_LIMIT = 1 << 30  # a chat's max_new_tokens when none is given (the scheduler caps it at max_req_len)
+NO_LIMIT = UNLIMITED_NEW_TOKENS  # a chat's max_new_tokens when none is given (the scheduler caps it at max_req_len)
 MAX_N = 16
 MAX_BATCH = 1024  # requests one body may make: a /generate batch, or prompts x n here
 
@@ -171,6 +172,24 @@ def _json_short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def stream_error(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The error event a stream ends with, if its request failed (a failed round) or was
+    aborted with an HTTP status (SGLang: 503, typed SERVICE_UNAVAILABLE, for the timeouts)."""
+    reason = meta.get("finish_reason") or {}
+    if reason.get("status_code"):
+        code = int(reason["status_code"])
+        kind = {503: "SERVICE_UNAVAILABLE", 400: "BAD_REQUEST"}.get(code, str(code))
+        return error_body(reason.get("message", ""), code=code, kind=kind)
+    return error_body(meta["error"]) if "error" in meta else None
+
+
+def matched_stop(meta: dict[str, Any]) -> str | int | None:
+    """What stopped it: the stop string, or the stop token id (EOS too); None after a
+    length or abort finish, as SGLang's."""
+    reason = meta.get("finish_reason") or {}
+    return reason.get("matched") if reason.get("type") == "stop" else None
+
+
 def finish_reason(meta: dict[str, Any]) -> str | None:
     """sglite's finish reason as OpenAI names it."""
     kind = (meta.get("finish_reason") or {}).get("type")
@@ -195,29 +214,38 @@ def completion_response(rid: str, model: str, texts: list[str], metas: list[dict
     """``texts``: each choice's text (with ``echo``, after its prompt's)."""
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [{"index": i, "text": t, "logprobs": completion_logprobs(m, echo),
-                         "finish_reason": finish_reason(m)} for i, (t, m) in enumerate(zip(texts, metas))],
+                         "finish_reason": finish_reason(m), "matched_stop": matched_stop(m)}
+                        for i, (t, m) in enumerate(zip(texts, metas))],
             "usage": usage(metas, n)}
 
 
 def chat_response(rid: str, model: str, texts: list[str], metas: list[dict[str, Any]], n: int = 1) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": chat_logprobs(m),
-                         "finish_reason": finish_reason(m)} for i, (t, m) in enumerate(zip(texts, metas))],
+            "choices": [{"index": i, "message": {"role": "assistant", "content": t, "reasoning_content": None,
+                                                 "tool_calls": None},
+                         "logprobs": chat_logprobs(m), "finish_reason": finish_reason(m), "matched_stop": matched_stop(m)}
+                        for i, (t, m) in enumerate(zip(texts, metas))],
             "usage": usage(metas, n)}
 
 
-def stream_chunk(rid: str, model: str, chat: bool, index: int, text: str | None,
-                 reason: str | None, first: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+def stream_chunk(rid: str, model: str, chat: bool, index: int, text: str | None, reason: str | None,
+                 first: bool = False, logprobs: dict[str, Any] | None = None, stop: str | int | None = None
+                 ) -> dict[str, Any]:
     """One server-sent event of a streamed completion or chat (``logprobs``: those of
-    its new tokens)."""
+    its new tokens; ``stop``: matched_stop, at the finish). A chat delta always has
+    ``reasoning_content`` (null: sglite has no reasoning parser), as SGLang's."""
     if chat:
-        delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+        delta: dict[str, Any] = {"reasoning_content": None}
+        if first:
+            delta.update(role="assistant", content="")
         if text:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
+                                  "matched_stop": stop}
         kind = "chat.completion.chunk"
     else:
-        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason,
+                  "matched_stop": stop}
         kind = "text_completion"
     return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice]}
 

@@ -26,6 +26,7 @@ class SamplingParamsInput(_Strict):
     verify() has every range, sglite's limits on stops are docs/serving.md's)."""
 
     max_new_tokens: int = Field(128, ge=1)
+    min_new_tokens: int = Field(0, ge=0)
     stop: Stop = None
     stop_token_ids: list[int] | None = None
     temperature: float = Field(1.0, ge=0)
@@ -40,6 +41,7 @@ class SamplingParamsInput(_Strict):
     no_stop_trim: bool = False
     seed: int | None = Field(None, ge=0)
     n: int = Field(1, ge=1, le=1)  # one sample a request here
+    logit_bias: dict[str, float] | None = None
 
 
 class GenerateReqInput(_Strict):
@@ -71,6 +73,7 @@ class _OpenAISampling(_Strict):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    min_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = None
@@ -131,6 +134,22 @@ class AbortReqInput(_Strict):
     abort_all: bool | None = False
 
 
+class TokenizeRequest(_Strict):
+    """POST /tokenize (and /v1/tokenize)."""
+
+    model: str | None = None
+    prompt: str | list[str]
+    add_special_tokens: bool | None = True
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (and /v1/detokenize)."""
+
+    model: str | None = None
+    tokens: Ids | list[Ids]
+    skip_special_tokens: bool | None = True
+
+
 class DebugControlInput(_Strict):
     """POST /debug/control (--enable-debug-control)."""
 
@@ -138,7 +157,7 @@ class DebugControlInput(_Strict):
 
 
 BODIES: tuple[type[BaseModel], ...] = (GenerateReqInput, CompletionRequest, ChatCompletionRequest, AbortReqInput,
-                                       DebugControlInput)
+                                       TokenizeRequest, DetokenizeRequest, DebugControlInput)
 REF = "#/components/schemas/{model}"
 
 

@@ -15,8 +15,9 @@ class Sampler(nn.Module):
 
     @staticmethod
     def penalized(logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> torch.Tensor:
-        """The float32 logits the sampler draws from: penalties applied."""
-        return sampling_info.apply_penalties(logits.float())
+        """The float32 logits the sampler draws from: penalties, min_new_tokens and
+        logit_bias applied."""
+        return sampling_info.apply_logits_bias(logits.float())
 
     @staticmethod
     def logprobs(penalized: torch.Tensor, sampling_info: SamplingBatchInfo) -> torch.Tensor:

@@ -70,12 +70,19 @@ class FINISH_LENGTH(BaseFinishReason):
 
 
 class FINISH_ABORT(BaseFinishReason):
-    def __init__(self, message: str = "Unknown error", is_error: bool = False):
+    """``status_code``: SGLang's HTTP status for an abort the server answers as an error
+    (503 for the waiting and running timeouts); None: an abort that is a finish reason."""
+
+    def __init__(self, message: str = "Unknown error", is_error: bool = False, status_code: int | None = None):
         super().__init__(is_error=is_error)
         self.message = message
+        self.status_code = status_code
 
     def to_json(self) -> dict[str, Any]:
-        return {"type": "abort", "message": self.message}
+        out: dict[str, Any] = {"type": "abort", "message": self.message}
+        if self.status_code is not None:
+            out["status_code"] = self.status_code
+        return out
 
 
 @dataclass

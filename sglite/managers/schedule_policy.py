@@ -14,13 +14,15 @@ import torch
 from sglite.mem_cache.memory_pool import TokenToKVPoolAllocator, page_align_down, page_align_up
 from sglite.mem_cache.radix_cache import RadixCache
 
+from sglite.server_args import env_knob
+
 if TYPE_CHECKING:
     from sglite.managers.schedule_batch import Req, ScheduleBatch
     from sglite.mem_cache.base_prefix_cache import BasePrefixCache
 
 # A running request's future tokens are reserved as min(remaining, CLIP) * ratio, so a
 # huge max_new_tokens does not make the scheduler absurdly conservative.
-CLIP_MAX_NEW_TOKENS_ESTIMATION = 4096
+CLIP_MAX_NEW_TOKENS_ESTIMATION = 4096  # SGLang's default of SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
 # In-batch prefix caching: a request whose real cache match is this short or shorter...
 IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD = 32
 # ...but which shares at least this many tokens with another waiting request waits.
@@ -171,6 +173,8 @@ class PrefillAdder:
         self.rem_total_token_offset = mixed_with_decode_tokens
         self.cur_rem_token_offset = mixed_with_decode_tokens
         self.deprioritized = deprioritized or set()
+        # checked when the engine started (ServerArgs)
+        self.clip_max_new_tokens = env_knob("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION", CLIP_MAX_NEW_TOKENS_ESTIMATION, int)
         self.can_run_list: list["Req"] = []
         self.new_chunked_req: "Req | None" = None
         self.hold: Hold | None = None  # why the last request offered was not admitted
@@ -219,10 +223,9 @@ class PrefillAdder:
         finally:
             self.tree_cache.dec_lock_ref(node)
 
-    @staticmethod
-    def _future_tokens(req: "Req") -> int:
+    def _future_tokens(self, req: "Req") -> int:
         """The tokens a request may still generate, clipped: what admission reserves."""
-        return min(req.sampling_params.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS_ESTIMATION)
+        return min(req.sampling_params.max_new_tokens - len(req.output_ids), self.clip_max_new_tokens)
 
     def add_chunked_req(self, req: "Req") -> "Req | None":
         """The request being chunked goes first; returns it while more chunks remain."""

@@ -223,7 +223,7 @@ class Scheduler:
         if recv_req.error:
             return recv_req.error
         if any(r.rid == recv_req.rid for r in self.live_reqs()):
-            return f"request id {recv_req.rid!r} is already in use by an unfinished request"
+            return f"Duplicate request ID detected: {recv_req.rid!r} is already in use by an unfinished request"
         return None
 
     def handle_generate_request(self, recv_req: TokenizedGenerateReqInput) -> None:
@@ -250,10 +250,11 @@ class Scheduler:
                 self.abort_now(req, abort.message, by_client=True)
                 return
 
-    def abort_now(self, req: Req, message: str, is_error: bool = False, by_client: bool = False) -> None:
+    def abort_now(self, req: Req, message: str, is_error: bool = False, by_client: bool = False,
+                  status_code: int | None = None) -> None:
         """Finish a request at once and free everything it holds."""
         req.to_abort, req.to_abort_message = True, message
-        req.finished_reason = FINISH_ABORT(message, is_error=is_error)
+        req.finished_reason = FINISH_ABORT(message, is_error=is_error, status_code=status_code)
         if req in self.waiting_queue:
             self.waiting_queue.remove(req)
         if req is self.chunked_req:
@@ -272,10 +273,13 @@ class Scheduler:
             return  # the usual case: no walk over every request each round
         now = time.perf_counter()
         for req in self.live_reqs():
+            # SGLang's words and status (503: the server is too busy for it, not the request bad)
             if wt is not None and req.forward_entry_time is None and now - req.wait_queue_entry_time > wt:
-                self.abort_now(req, f"waited longer than waiting_timeout={wt}s")
+                self.abort_now(req, f"Request waiting timeout reached. (waited longer than waiting_timeout={wt}s)",
+                               status_code=503)
             elif rt is not None and req.forward_entry_time is not None and now - req.forward_entry_time > rt:
-                self.abort_now(req, f"ran longer than running_timeout={rt}s")
+                self.abort_now(req, f"Request running timeout reached. (ran longer than running_timeout={rt}s)",
+                               status_code=503)
 
     # --- 2. get_next_batch_to_run -------------------------------------------------------
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 import jinja2
 
 from sglite.managers.io_struct import AbortReq, BatchStrOut, LogprobParams, TokenizedGenerateReqInput
-from sglite.sampling.sampling_params import SamplingParams, check_utf8, short_repr
+from sglite.sampling.sampling_params import UNLIMITED_NEW_TOKENS, SamplingParams, check_utf8, short_repr
 
 if TYPE_CHECKING:
     from sglite.metrics.collector import TokenizerMetricsCollector
@@ -54,6 +54,8 @@ class TokenizerManager:
                 logprob.check(self.vocab_size)
             text, ids = self._prompt(prompt, input_ids, messages)
             self._validate_one_request(ids)
+            if isinstance(sampling_params, dict) and "max_new_tokens" in sampling_params:
+                self._check_total(len(ids), params.max_new_tokens)
             if logprob is not None and logprob.return_logprob:
                 logprob.start_for(len(ids))
         except (ValueError, TypeError, jinja2.TemplateError) as e:
@@ -112,10 +114,25 @@ class TokenizerManager:
     def _validate_one_request(self, ids: list[int] | tuple[int, ...]) -> None:
         if not ids:
             raise RequestError("the prompt is empty")
+        if len(ids) >= self.context_len:  # SGLang's words first
+            raise RequestError(
+                f"The input ({len(ids)} tokens) is longer than the model's context length ({self.context_len} "
+                f"tokens): at most {self.max_req_input_len} fit (KV pool {self.max_total_num_tokens} tokens)")
         if len(ids) > self.max_req_input_len:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens; at most {self.max_req_input_len} fit "
                 f"(context length {self.context_len}, KV pool {self.max_total_num_tokens} tokens)")
+
+    def _check_total(self, input_len: int, max_new_tokens: int) -> None:
+        """A max_new_tokens the request set that cannot fit beside its prompt is refused
+        (SGLang's check and words); one left unset runs to what the context leaves."""
+        total = input_len + max_new_tokens
+        if max_new_tokens < UNLIMITED_NEW_TOKENS and total > self.context_len:
+            raise RequestError(
+                f"Requested token count exceeds the model's maximum context length of {self.context_len} tokens. "
+                f"You requested a total of {total} tokens: {input_len} tokens from the input messages and "
+                f"{max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
+                "messages or the completion to fit within the limit.")
 
     def _need_tokenizer(self) -> "Tokenizer":
         if self.tokenizer is None:
@@ -375,7 +392,7 @@ class ServerTokenizerManager:
             raise RequestError("the rids of a batch must differ")
         busy = next((r for r in rids if r in self.rid_to_state), None)
         if busy is not None:
-            raise RequestError(f"Duplicate request ID: {busy!r} is already in use by an unfinished request")
+            raise RequestError(f"Duplicate request ID detected: {busy!r} is already in use by an unfinished request")
         now = time.monotonic()
         states = [ServerReqState(r, asyncio.Event(), now) for r in rids]
         self.rid_to_state.update((st.rid, st) for st in states)

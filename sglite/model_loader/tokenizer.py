@@ -102,11 +102,14 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tk.id_to_token(i)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The text's ids, with the model's BOS first when it wants one (and
+        ``add_special_tokens``: /tokenize's switch)."""
         # encode_batch lets go of the GIL while it works (encode holds it throughout):
         # a long prompt tokenized on another thread does not stall this process's others
         ids = self._tk.encode_batch([text], add_special_tokens=False)[0].ids
-        if self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None and (
+                not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
         return ids
 

@@ -45,6 +45,10 @@ class SamplingBatchInfo:
     repetition_penalties: torch.Tensor | None = None
     output_token_counts: torch.Tensor | None = None  # [bs, vocab]
     seen_tokens_mask: torch.Tensor | None = None  # [bs, vocab], prompt + output
+    # min_new_tokens: [bs, vocab] the EOS and stop tokens of rows still short of their
+    # minimum (their logits become -inf); logit_bias: [bs, vocab] added to the logits
+    stop_tokens_mask: torch.Tensor | None = None
+    logit_bias: torch.Tensor | None = None
 
     @classmethod
     def from_reqs(cls, reqs: Sequence["Req"], vocab_size: int, device: str | torch.device) -> "SamplingBatchInfo":
@@ -78,6 +82,8 @@ class SamplingBatchInfo:
             info.frequency_penalties = col([p.frequency_penalty for p in params], torch.float32)
             info.presence_penalties = col([p.presence_penalty for p in params], torch.float32)
             info.repetition_penalties = col([p.repetition_penalty for p in params], torch.float32)
+        info.stop_tokens_mask = _stop_tokens_mask(reqs, vocab_size, device)
+        info.logit_bias = _logit_bias(reqs, vocab_size, device)
         return info
 
     def cumulate_output_tokens(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
@@ -86,6 +92,16 @@ class SamplingBatchInfo:
             return
         self.output_token_counts[rows, token_ids] += 1
         self.seen_tokens_mask[rows, token_ids] = True
+
+    def apply_logits_bias(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits the sampler draws from (SGLang's order): penalties, then
+        min_new_tokens' mask, then logit_bias. Row by row: no row reads another."""
+        logits = self.apply_penalties(logits)
+        if self.stop_tokens_mask is not None:
+            logits = logits.masked_fill(self.stop_tokens_mask, float("-inf"))
+        if self.logit_bias is not None:
+            logits = logits + self.logit_bias
+        return logits
 
     def apply_penalties(self, logits: torch.Tensor) -> torch.Tensor:
         if self.output_token_counts is None:
@@ -97,3 +113,28 @@ class SamplingBatchInfo:
         rep = self.repetition_penalties.expand_as(logits)
         penalized = torch.where(logits > 0, logits / rep, logits * rep)
         return torch.where(self.seen_tokens_mask, penalized, logits)
+
+
+def _stop_tokens_mask(reqs: Sequence["Req"], vocab_size: int, device: str | torch.device) -> torch.Tensor | None:
+    """[bs, vocab]: True at the EOS and stop token ids of each request that has fewer
+    output tokens than its min_new_tokens (counting one still being sampled); None if none has."""
+    short = [i for i, r in enumerate(reqs)
+             if r.seqlen - len(r.origin_input_ids) < r.sampling_params.min_new_tokens]
+    if not short:
+        return None
+    mask = torch.zeros((len(reqs), vocab_size), dtype=torch.bool)
+    for i in short:
+        ids = set(reqs[i].eos_token_ids) | set(reqs[i].sampling_params.stop_token_ids or ())
+        mask[i, [t for t in ids if 0 <= t < vocab_size]] = True
+    return mask.to(device)
+
+
+def _logit_bias(reqs: Sequence["Req"], vocab_size: int, device: str | torch.device) -> torch.Tensor | None:
+    """[bs, vocab] of each request's logit_bias (zeros elsewhere); None if none has one."""
+    if not any(r.sampling_params.logit_bias for r in reqs):
+        return None
+    bias = torch.zeros((len(reqs), vocab_size), dtype=torch.float32)
+    for i, r in enumerate(reqs):
+        for token, value in r.sampling_params.bias_ids.items():
+            bias[i, token] = value
+    return bias.to(device)

@@ -14,9 +14,13 @@ _GREEDY_EPS = 1e-6
 MAX_STOP_STRS = 64
 MAX_STOP_STR_LEN = 512  # characters
 MAX_STOP_TOKEN_IDS = 4096
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 # a nonzero float parameter below this is refused: float32 arithmetic would round it to
 # 0 (top_p 0 keeps no token) or overflow dividing by it (repetition_penalty)
 MIN_NONZERO = 1e-30
+# max_new_tokens of a request that set no limit (a chat without max_tokens): it runs to
+# a stop or to what the context leaves (the scheduler caps it); not an explicit request
+UNLIMITED_NEW_TOKENS = 1 << 30
 # SGLang's TOP_K_ALL: top_k = -1 (off) becomes "keep every token"
 TOP_K_ALL = 1 << 30
 
@@ -24,6 +28,7 @@ TOP_K_ALL = 1 << 30
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
+    min_new_tokens: int = 0  # until then the EOS and stop tokens are masked out
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     temperature: float = 1.0
@@ -39,6 +44,7 @@ class SamplingParams:
     # sglite: a per-request seed makes sampling reproducible whatever the batch holds
     seed: int | None = None
     n: int = 1  # SGLang's parallel samples: only 1 here (OpenAI's n makes n requests)
+    logit_bias: dict[str, float] | None = None  # token id (a string, as in JSON) -> added to its logit
     stop_strs: list[str] = field(default_factory=list, repr=False)
 
     @classmethod
@@ -64,7 +70,7 @@ class SamplingParams:
     def check_types(self) -> None:
         """Every field has its type: ints are ints (not bools or floats), floats are
         finite numbers, flags are bools, stop is a str or a list of non-empty strs."""
-        for name in ("max_new_tokens", "top_k", "n"):
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
             _need_int(name, getattr(self, name))
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
             _need_finite(name, getattr(self, name))
@@ -76,6 +82,24 @@ class SamplingParams:
             if not 0 <= self.seed < 1 << 64:
                 raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         self._check_stops()
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        """logit_bias: at most MAX_LOGIT_BIAS entries, each a token id (an integer, or a
+        string of one, as JSON keys are) -> a finite number in [-100, 100] (OpenAI's range)."""
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be an object of token id -> bias, got {short_repr(bias)}")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(bias)} tokens; at most {MAX_LOGIT_BIAS}")
+        for key, value in bias.items():
+            if not (_is_int(key) or (isinstance(key, str) and key.lstrip("-").isdigit())):
+                raise ValueError(f"logit_bias keys must be token ids, got {short_repr(key)}")
+            _need_finite(f"logit_bias[{key}]", value)
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias[{key}] must be in [-100, 100], got {value}")
 
     def _check_stops(self) -> None:
         """stop: a string or a list of at most MAX_STOP_STRS non-empty UTF-8 strings of at
@@ -105,6 +129,9 @@ class SamplingParams:
                              f"/v1/chat/completions with n), got {self.n}")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], "
+                             f"got {self.min_new_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -127,6 +154,9 @@ class SamplingParams:
         for t in (self.stop_token_ids or []) if vocab_size is not None else []:
             if not 0 <= t < vocab_size:
                 raise ValueError(f"stop_token_ids has {t}, outside the vocabulary (0..{vocab_size - 1})")
+        for t in map(int, self.logit_bias or {}) if vocab_size is not None else []:
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"logit_bias has token {t}, outside the vocabulary (0..{vocab_size - 1})")
 
     def normalize(self) -> None:
         """Temperature 0 means greedy, as in SGLang: keep only the top token."""
@@ -141,6 +171,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.top_k == 1
+
+    @property
+    def bias_ids(self) -> dict[int, float]:
+        """logit_bias with int keys."""
+        return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
 
     @property
     def has_penalties(self) -> bool:

@@ -232,6 +232,58 @@ def test_logprobs_in_sglang_s_shapes_native_and_openai(server, engine):
     assert two.usage.prompt_tokens == 2 * echo.usage.prompt_tokens  # SGLang sums the prompts
 
 
+def test_sglang_s_fields_and_length_errors(server):
+    """The fields SGLang's clients read (reasoning_content, matched_stop, max_model_len),
+    logit_bias and min_tokens applied, and SGLang's 400 for a max_tokens that cannot fit."""
+    card = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]
+    assert card["max_model_len"] == 2048 and card["parent"] is None
+    chat = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+    got = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]
+    assert got["message"]["reasoning_content"] is None and got["message"]["tool_calls"] is None
+    assert got["finish_reason"] == "length" and got["matched_stop"] is None
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=chat | {"stream": True}, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all("reasoning_content" in e["choices"][0]["delta"] for e in events)
+    biased = httpx.post(f"{server.url}/v1/completions", json={"prompt": "1 2 3", "max_tokens": 4, "temperature": 0,
+                                                              "logit_bias": {"9": 100}}, timeout=60).json()
+    ids = httpx.post(f"{server.url}/generate", json={"text": "1 2 3", "sampling_params": {
+        "max_new_tokens": 4, "temperature": 0, "logit_bias": {"9": 100}}}, timeout=60).json()["output_ids"]
+    assert ids == [9, 9, 9, 9] and biased["choices"][0]["text"] == httpx.post(
+        f"{server.url}/detokenize", json={"tokens": ids}, timeout=30).json()["text"]
+    stopped = httpx.post(f"{server.url}/v1/completions", json={"prompt": "1 2 3", "max_tokens": 8, "temperature": 0,
+                                                               "stop_token_ids": [9], "logit_bias": {"9": 100},
+                                                               "min_tokens": 3}, timeout=60).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["matched_stop"] == 9
+    too_long = httpx.post(f"{server.url}/v1/completions", json={"prompt": [5] * 1500, "max_tokens": 600}, timeout=30)
+    assert too_long.status_code == 400 and too_long.json()["message"].startswith(
+        "Requested token count exceeds the model's maximum context length of 2048 tokens. You requested a total of "
+        "2100 tokens: 1500 tokens from the input messages and 600 tokens for the completion.")
+    unlimited = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "max_tokens": None}, timeout=60)
+    assert unlimited.status_code == 200  # no max_tokens: runs to what the context leaves
+
+
+def test_timeouts_answer_503_as_sglang():
+    """SGLANG_REQ_RUNNING_TIMEOUT honored; a timed-out request is SGLang's 503 error, and
+    a stream ends with an error event typed SERVICE_UNAVAILABLE."""
+    s = Server(env={"SGLANG_REQ_RUNNING_TIMEOUT": "0.001"})
+    try:
+        body = {"text": "Hello", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+        r = httpx.post(f"{s.url}/generate", json=body, timeout=60)
+        assert r.status_code == 503, r.text
+        assert r.json()["code"] == 503 and r.json()["message"].startswith("Request running timeout reached.")
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 200, "ignore_eos": True},
+                       timeout=60)
+        assert r.status_code == 503 and r.json()["object"] == "error"
+        with httpx.stream("POST", f"{s.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 200,
+                                                                    "ignore_eos": True, "stream": True}) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        error = json.loads(events[-2])["error"]
+        assert events[-1] == "[DONE]" and error["code"] == 503 and error["type"] == "SERVICE_UNAVAILABLE"
+    finally:
+        rc, err = s.stop()
+    assert rc == 0, err
+
+
 def test_a_client_that_disconnects_frees_its_kv_at_once(server):
     before = server.metrics()
     body = {"input_ids": [1, 2, 3], "stream": True,
@@ -565,3 +617,16 @@ def test_requests_in_flight_when_the_scheduler_dies_are_answered():
     assert s.proc.returncode == 1 and "sglite::scheduler exited (exit code -9)" in err, err
     assert "Traceback" not in err and "CancelledError" not in err, err
     assert got["meta_info"]["finish_reason"] == {"type": "abort", "message": "the server is shutting down"}
+
+
+def test_tokenize_and_detokenize_round_trip(server, engine):
+    for route in ("/tokenize", "/v1/tokenize"):
+        one = httpx.post(f"{server.url}{route}", json={"prompt": "Hello world"}, timeout=30).json()
+        assert one["tokens"] == engine.tokenizer.encode("Hello world") and one["count"] == len(one["tokens"])
+        assert one["max_model_len"] == 2048
+    two = httpx.post(f"{server.url}/tokenize", json={"prompt": ["a b", "c"]}, timeout=30).json()
+    assert two["count"] == [len(t) for t in two["tokens"]]
+    back = httpx.post(f"{server.url}/v1/detokenize", json={"tokens": two["tokens"]}, timeout=30).json()
+    assert back["text"] == ["a b", "c"]
+    bad = httpx.post(f"{server.url}/detokenize", json={"tokens": [1.5]}, timeout=30)
+    assert bad.status_code == 400 and "'tokens' must be a list of integers" in bad.json()["error"]["message"]

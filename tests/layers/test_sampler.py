@@ -78,3 +78,18 @@ def test_penalties():
     assert torch.allclose(out, exp)
     neg = make_req(output_ids=[4], repetition_penalty=2.0)
     assert info(neg).apply_penalties(LOGITS.clone())[0, 4].item() == -2.0
+
+
+def test_min_new_tokens_masks_eos_and_stop_tokens_until_reached_then_logit_bias_adds():
+    """SGLang's order: penalties, min_new_tokens' mask (EOS and stop_token_ids -inf while
+    the output is short of it), then logit_bias; each row its own."""
+    short = make_req(output_ids=[3], min_new_tokens=2, stop_token_ids=[6], max_new_tokens=8, temperature=0)
+    short.eos_token_ids = {1}
+    done = make_req(output_ids=[3, 3], min_new_tokens=2, stop_token_ids=[6], max_new_tokens=8, temperature=0)
+    done.eos_token_ids = {1}
+    biased = make_req(logit_bias={"4": 10.0, "1": -3.5}, temperature=0)
+    out = info(short, done, biased).apply_logits_bias(LOGITS.repeat(3, 1))
+    assert out[0, 1] == float("-inf") and out[0, 6] == float("-inf") and out[0, 2] == 2.5
+    assert torch.equal(out[1], LOGITS[0])
+    assert out[2, 4].item() == 9.0 and out[2, 1].item() == -0.5 and out[2, 2].item() == 2.5
+    assert Sampler()(LOGITS.repeat(3, 1), info(short, done, biased)).tolist() == [2, 1, 4]
