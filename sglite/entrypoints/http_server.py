@@ -317,6 +317,8 @@ async def _generate(request: Request, manager: ServerTokenizerManager, trace_par
     stream = _flag(body, "stream")
     batch = _is_batch(body)
     specs = _batch_items(body, batch, stream, oai.extra_key_of(body))
+    if any(_samples(sp.sampling_params) > 1 for sp in specs):
+        specs, batch = _parallel_samples(specs), True
     claim = await manager.submit(specs, trace_parent, batch)  # (nothing is sent before every request passed)
     if stream:
         events = _native_batch_stream(manager, claim) if batch else _native_stream(manager, claim)
@@ -377,6 +379,25 @@ def _batch_items(body: dict[str, Any], batch: bool, stream: bool, extra_key: str
     each = params if isinstance(params, list) else [params] * n
     return [ReqSpec(r, p if field == "text" else None, p if field == "input_ids" else None, None, sp, stream,
                     extra_key, lp) for r, p, sp, lp in zip(rids, prompts, each, logprobs)]
+
+
+def _samples(params: Any) -> int:
+    """sampling_params' n (SGLang's parallel samples); the gate checks anything odd."""
+    n = params.get("n", 1) if isinstance(params, dict) else 1
+    return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= oai.MAX_N else 1
+
+
+def _parallel_samples(specs: list[ReqSpec]) -> list[ReqSpec]:
+    """n samples of each request, in SGLang's order (a0, a1, b0, b1): each its own
+    request (its own rid: the given one with -k, else a fresh one) with n = 1."""
+    out = []
+    for spec in specs:
+        n = _samples(spec.sampling_params)
+        params = dict(spec.sampling_params, n=1) if isinstance(spec.sampling_params, dict) else spec.sampling_params
+        if len(out) + n > MAX_BATCH:
+            raise RequestError(f"the samples of this body make more than {MAX_BATCH} requests")
+        out += [dataclasses.replace(spec, rid=f"{spec.rid}-{k}", sampling_params=params) for k in range(n)]
+    return out
 
 
 def _native_result(state: ServerReqState) -> dict[str, Any]:
@@ -594,8 +615,9 @@ async def _openai(request: Request, manager: ServerTokenizerManager, info: Serve
         raise oai.OpenAIError(f"{len(inputs)} prompts x n={n} make {len(inputs) * n} requests; at most {MAX_BATCH} "
                               "in one body", "n" if n > 1 else "prompt")
     rid, extra_key = oai.new_id("chatcmpl" if chat else "cmpl"), oai.extra_key_of(body)
+    cont = chat and oai.continue_final_message(body)
     specs = [ReqSpec(f"{rid}-{i}-{k}", inp.get("prompt"), inp.get("input_ids"), inp.get("messages"), params, stream,
-                     extra_key, logprob) for i, inp in enumerate(inputs) for k in range(n)]
+                     extra_key, logprob, cont) for i, inp in enumerate(inputs) for k in range(n)]
     claim = await manager.submit(specs, trace_parent)
     echoes = [_echo_text(manager, inputs[i // n]) if echo else "" for i in range(len(specs))]
     if stream:

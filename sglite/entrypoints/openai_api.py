@@ -30,7 +30,7 @@ IGNORED_KEYS = {"model", "stream", "stream_options", "n", "user",
                 "cache_salt", "extra_key"}  # (the last two: extra_key_of)
 # what only one route takes (read by prompts_of / the messages, logprob_params, echo_of)
 COMPLETION_KEYS = {"prompt", "logprobs", "echo"}
-CHAT_KEYS = {"messages", "logprobs", "top_logprobs"}
+CHAT_KEYS = {"messages", "logprobs", "top_logprobs", "continue_final_message"}
 UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
                "functions": (None, []), "function_call": (None, "none")}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -115,6 +115,11 @@ def _top_count(body: dict[str, Any], name: str) -> int:
         raise OpenAIError(f"{name} must be an integer from 0 to {MAX_TOP_LOGPROBS} (the number of top tokens) or "
                           f"null, got {_json_short(k)}", name)
     return k
+
+
+def continue_final_message(body: dict[str, Any]) -> bool:
+    """SGLang's chat flag: a last assistant message is continued, not answered."""
+    return _bool(body.get("continue_final_message"), "continue_final_message")
 
 
 def echo_of(body: dict[str, Any]) -> bool:

@@ -40,7 +40,7 @@ class SamplingParamsInput(_Strict):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     seed: int | None = Field(None, ge=0)
-    n: int = Field(1, ge=1, le=1)  # one sample a request here
+    n: int = Field(1, ge=1, le=16)  # /generate: n requests of one sample each
     logit_bias: dict[str, float] | None = None
 
 
@@ -125,6 +125,7 @@ class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatCompletionMessage] = Field(min_length=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    continue_final_message: bool | None = False
 
 
 class AbortReqInput(_Strict):

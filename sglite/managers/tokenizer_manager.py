@@ -42,7 +42,8 @@ class TokenizerManager:
 
     def tokenize(self, rid: str, prompt: Any = None, input_ids: Any = None, messages: Any = None,
                  sampling_params: Any = None, stream: bool = False, extra_key: str | None = None,
-                 logprob: LogprobParams | None = None) -> TokenizedGenerateReqInput:
+                 logprob: LogprobParams | None = None, continue_final_message: bool = False
+                 ) -> TokenizedGenerateReqInput:
         """The request ready for the scheduler, or carrying the reason it cannot run.
         ``extra_key``: SGLang's cache key (OpenAI's cache_salt); see io_struct.
         ``logprob``: its logprob fields (kept only when return_logprob is true)."""
@@ -52,7 +53,7 @@ class TokenizerManager:
             check_extra_key(extra_key)
             if logprob is not None:
                 logprob.check(self.vocab_size)
-            text, ids = self._prompt(prompt, input_ids, messages)
+            text, ids = self._prompt(prompt, input_ids, messages, continue_final_message)
             self._validate_one_request(ids)
             if isinstance(sampling_params, dict) and "max_new_tokens" in sampling_params:
                 self._check_total(len(ids), params.max_new_tokens)
@@ -63,7 +64,8 @@ class TokenizerManager:
         return TokenizedGenerateReqInput(rid, text, ids, params, stream, extra_key=extra_key,
                                          logprob=logprob if logprob is not None and logprob.return_logprob else None)
 
-    def _prompt(self, prompt: Any, input_ids: Any, messages: Any) -> tuple[str | None, list[int]]:
+    def _prompt(self, prompt: Any, input_ids: Any, messages: Any,
+                continue_final: bool = False) -> tuple[str | None, list[int]]:
         """(text, token ids) from exactly one of: a prompt, chat messages, token ids."""
         given = [name for name, v in (("prompt", prompt), ("input_ids", input_ids), ("messages", messages))
                  if v is not None]
@@ -76,7 +78,7 @@ class TokenizerManager:
         if messages is not None:
             messages = _check_messages(messages)
             try:
-                prompt = self._need_tokenizer().apply_chat_template(messages, add_generation_prompt=True)
+                prompt = self._chat_prompt(messages, continue_final)
             except RequestError:
                 raise
             except Exception as e:  # noqa: BLE001 - a template is code from the model's files: any error
@@ -86,6 +88,15 @@ class TokenizerManager:
         self._check_text_bound(prompt)  # (first: it costs nothing, the UTF-8 check a pass over the text)
         check_utf8("the prompt", prompt)
         return prompt, self._need_tokenizer().encode(prompt) if prompt else []
+
+    def _chat_prompt(self, messages: list[dict[str, str]], continue_final: bool) -> str:
+        """The chat template's prompt; with ``continue_final`` (SGLang's
+        continue_final_message) and an assistant message last, the others' prompt with
+        the generation prompt, then that message's text as it is: the model continues it."""
+        tokenizer = self._need_tokenizer()
+        if continue_final and messages[-1]["role"] == "assistant":
+            return tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True) + messages[-1]["content"]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     def _check_text_bound(self, text: str) -> None:
         """Refuse, before the tokenizer runs, a text too long to fit whatever it encodes
@@ -292,6 +303,7 @@ class ReqSpec:
     stream: bool = False
     extra_key: Any = None
     logprob: LogprobParams | None = None
+    continue_final_message: bool = False  # (chat) continue the last, assistant, message
 
     def work_size(self) -> int:
         """Characters the tokenizer reads, or token ids the gate checks: what decides
@@ -405,7 +417,7 @@ class ServerTokenizerManager:
     async def _tokenize(self, specs: list[ReqSpec]) -> list[TokenizedGenerateReqInput]:
         def run() -> list[TokenizedGenerateReqInput]:
             return [self.gate.tokenize(s.rid, s.prompt, s.input_ids, s.messages, s.sampling_params, s.stream,
-                                       s.extra_key, s.logprob) for s in specs]
+                                       s.extra_key, s.logprob, s.continue_final_message) for s in specs]
 
         if sum(s.work_size() for s in specs) <= INLINE_WORK:
             return run()

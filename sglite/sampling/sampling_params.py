@@ -43,7 +43,7 @@ class SamplingParams:
     no_stop_trim: bool = False
     # sglite: a per-request seed makes sampling reproducible whatever the batch holds
     seed: int | None = None
-    n: int = 1  # SGLang's parallel samples: only 1 here (OpenAI's n makes n requests)
+    n: int = 1  # SGLang's parallel samples: /generate and OpenAI's n make n requests of n = 1
     logit_bias: dict[str, float] | None = None  # token id (a string, as in JSON) -> added to its logit
     stop_strs: list[str] = field(default_factory=list, repr=False)
 
@@ -125,8 +125,8 @@ class SamplingParams:
         model is loaded)."""
         self.check_types()
         if self.n != 1:
-            raise ValueError(f"n must be 1 in sampling_params (several samples of one prompt: /v1/completions or "
-                             f"/v1/chat/completions with n), got {self.n}")
+            raise ValueError(f"n must be 1 here (several samples of one prompt: n from 1 to 16 on /generate and the "
+                             f"OpenAI routes; in Engine.generate the prompt n times), got {self.n}")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:

@@ -324,7 +324,7 @@ BAD = [
      "logprobs must be true or false"),
     ("/generate", {"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 2},
      "is higher than the number of input tokens"),
-    ("/generate", {"text": "hi", "sampling_params": {"n": 2}}, "n must be 1 in sampling_params"),
+    ("/generate", {"text": "hi", "sampling_params": {"n": 17}}, "n must be 1 here"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, "n must be"),
     ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, "unknown parameter 'frobnicate'"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages must be"),
@@ -630,3 +630,31 @@ def test_tokenize_and_detokenize_round_trip(server, engine):
     assert back["text"] == ["a b", "c"]
     bad = httpx.post(f"{server.url}/detokenize", json={"tokens": [1.5]}, timeout=30)
     assert bad.status_code == 400 and "'tokens' must be a list of integers" in bad.json()["error"]["message"]
+
+
+def test_generate_with_n_gives_sglang_s_order(server):
+    """n samples of each prompt, batch outer and sample inner (a0, a1, b0, b1), as a
+    list; streamed, each event's index is its place in that order."""
+    params = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "n": 2}
+    one = httpx.post(f"{server.url}/generate", json={"text": "Hello", "sampling_params": params}, timeout=60).json()
+    assert isinstance(one, list) and len(one) == 2 and one[0]["output_ids"] != one[1]["output_ids"]
+    body = {"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": {**params, "temperature": 0}}
+    both = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
+    assert [r["meta_info"]["prompt_tokens"] for r in both] == [3, 3, 2, 2]
+    assert both[0]["output_ids"] == both[1]["output_ids"] != both[2]["output_ids"]  # greedy: a0 == a1
+    with httpx.stream("POST", f"{server.url}/generate", json=body | {"stream": True}, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    last = {e["index"]: e["output_ids"] for e in events}
+    assert [last[i] for i in range(4)] == [r["output_ids"] for r in both]
+
+
+def test_continue_final_message_continues_the_assistant_s_text(server, engine):
+    """SGLang's continue_final_message: the prompt is the chat before the last (assistant)
+    message with the generation prompt, then that message's text as it is."""
+    chat = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1 2 3"}]
+    prompt = engine.tokenizer.apply_chat_template(chat[:1], add_generation_prompt=True) + "1 2 3"
+    want = engine.generate(prompt, {"max_new_tokens": 4, "temperature": 0})
+    body = {"model": "m", "messages": chat, "max_tokens": 4, "temperature": 0, "continue_final_message": True}
+    got = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+    assert got["choices"][0]["message"]["content"] == want["text"]
+    assert got["usage"]["prompt_tokens"] == len(engine.tokenizer.encode(prompt))

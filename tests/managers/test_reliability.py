@@ -105,7 +105,7 @@ BAD_REQUESTS: list[tuple[str, dict, str]] = [
     ("a prompt of a million characters", {"prompt": "a" * 10**6}, "characters, more than the 2042 tokens that fit"),
     ("extra_key is an int", {"prompt": "hi", "extra_key": 5}, "cache_salt / extra_key must be a non-empty string"),
     ("extra_key is empty", {"prompt": "hi", "extra_key": ""}, "cache_salt / extra_key must be a non-empty string"),
-    ("n is 2 in sampling_params", {"prompt": "hi", "sampling_params": {"n": 2}}, "n must be 1 in sampling_params"),
+    ("n is 2 in sampling_params", {"prompt": "hi", "sampling_params": {"n": 2}}, "n must be 1 here"),
     ("return_logprob is a string", {"prompt": "hi", "return_logprob": "yes"}, "return_logprob must be true or false"),
     ("logprob_start_len past the prompt", {"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 2},
      "logprob_start_len=2 is higher than the number of input tokens (2)"),
