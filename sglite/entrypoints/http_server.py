@@ -32,7 +32,7 @@ from sglite.entrypoints import openai_api as oai
 from sglite.entrypoints import protocol
 from sglite.entrypoints.http_security import HttpGuard, SecurityPolicy, parse_json, start_json_worker
 from sglite.managers.io_struct import (HEALTH_CHECK_RID_PREFIX, DebugControlReq, ExplainReq, FlushCacheReqInput,
-                                       GetInternalStateReq)
+                                       GetInternalStateReq, LogprobParams)
 from sglite.managers.tokenizer_manager import (LOGPROB_FIELDS, Claim, ReqSpec, RequestError, ServerReqState,
                                                ServerTokenizerManager, logprob_params_each)
 from sglite.sampling.sampling_params import check_utf8
@@ -599,6 +599,10 @@ def _openai_routes(app: FastAPI, manager: ServerTokenizerManager, info: ServerIn
     async def chat_completions(request: Request) -> Response:
         return await _traced(request, info, lambda parent: _openai(request, manager, info, True, parent))
 
+    @app.post("/v1/score", openapi_extra=protocol.body(protocol.ScoringRequest))
+    async def score(request: Request) -> Response:
+        return await _traced(request, info, lambda parent: _score(request, manager, info, parent))
+
     @app.exception_handler(oai.OpenAIError)
     async def openai_error(request: Request, exc: oai.OpenAIError) -> JSONResponse:
         return _bad(request, str(exc), exc.param)
@@ -638,6 +642,35 @@ async def _openai(request: Request, manager: ServerTokenizerManager, info: Serve
     if chat:
         return JSONResponse(oai.chat_response(rid, info.model_name, texts, metas, n))
     return JSONResponse(oai.completion_response(rid, info.model_name, texts, metas, n, echo))
+
+
+async def _score(request: Request, manager: ServerTokenizerManager, info: ServerInfo, trace_parent: str) -> Response:
+    """SGLang's /v1/score (decoder-only scoring): each item's prompt runs to its first
+    token, whose logprobs of the label tokens are the scores."""
+    body = await _json(request)
+    prompts, labels, softmax = oai.score_inputs(body, manager.gate.vocab_size)
+    if len(prompts) > MAX_BATCH:
+        raise oai.OpenAIError(f"at most {MAX_BATCH} items in one body, got {len(prompts)}", "items")
+    if not prompts:
+        return JSONResponse({"scores": [], "model": info.model_name, "usage": None, "object": "scoring"})
+    rid = oai.new_id("score")
+    logprob = LogprobParams(True, -1, 0, labels, False)
+    params = {"max_new_tokens": 1, "temperature": 0}
+    specs = [ReqSpec(f"{rid}-{i}", p.get("prompt"), p.get("input_ids"), None, params, False, None, logprob)
+             for i, p in enumerate(prompts)]
+    claim = await manager.submit(specs, trace_parent)
+    try:
+        states = await _collect_all(manager, claim, request)
+    finally:
+        claim.release()
+    failed = _status_error(states)
+    if failed is not None:
+        return failed
+    metas = [s.result_meta() for s in states]
+    usage = {"prompt_tokens": sum(m.get("prompt_tokens", 0) for m in metas), "completion_tokens": 0}
+    usage["total_tokens"] = usage["prompt_tokens"]
+    return JSONResponse({"scores": oai.scores(metas, labels, softmax), "model": info.model_name, "usage": usage,
+                         "object": "scoring"})
 
 
 def _echo_text(manager: ServerTokenizerManager, inp: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@ null), each token's text decoded alone.
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from typing import Any
@@ -275,3 +276,55 @@ def prompts_of(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+SCORE_KEYS = {"model", "query", "items", "label_token_ids", "apply_softmax", "item_first"}
+
+
+def score_inputs(body: dict[str, Any], vocab_size: int) -> tuple[list[dict[str, Any]], list[int], bool]:
+    """SGLang's /v1/score body: one prompt per item (query then item, or item first with
+    ``item_first``: strings joined as they are, token ids one after the other), the
+    label token ids, and ``apply_softmax``."""
+    unknown = set(body) - SCORE_KEYS
+    if unknown:
+        raise OpenAIError(f"unknown parameter {sorted(unknown)[0]!r}", sorted(unknown)[0])
+    labels, items, query = body.get("label_token_ids"), body.get("items"), body.get("query")
+    if not labels:
+        raise OpenAIError("label_token_ids must be provided", "label_token_ids")
+    if items is None:
+        raise OpenAIError("items must be provided", "items")
+    if not isinstance(labels, list) or not all(_is_int(t) for t in labels) or len(labels) > MAX_TOP_LOGPROBS * 3:
+        raise OpenAIError(f"label_token_ids must be a list of at most {MAX_TOP_LOGPROBS * 3} token ids",
+                          "label_token_ids")
+    bad = next((t for t in labels if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise OpenAIError(f"Token ID {bad} is out of vocabulary (vocab size: {vocab_size})", "label_token_ids")
+    items = [items] if isinstance(items, str) else items
+    first = _bool(body.get("item_first"), "item_first")
+    if isinstance(query, str) and isinstance(items, list) and all(isinstance(i, str) for i in items):
+        prompts = [{"prompt": i + query if first else query + i} for i in items]
+    elif _is_ids(query) and isinstance(items, list) and all(_is_ids(i) for i in items):
+        prompts = [{"input_ids": i + query if first else query + i} for i in items]
+    else:
+        raise OpenAIError("Invalid combination of query/items types for score_request.", "items")
+    return prompts, labels, _bool(body.get("apply_softmax"), "apply_softmax")
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_int(t) for t in value)
+
+
+def scores(metas: list[dict[str, Any]], labels: list[int], apply_softmax: bool) -> list[list[float]]:
+    """Per item, its label tokens' probabilities as the next token after its prompt, in
+    label order: exp(logprob), or with ``apply_softmax`` renormalized over the labels."""
+    out = []
+    for meta in metas:
+        by_id = {t: v for v, t, _ in meta["output_token_ids_logprobs"][0]}
+        values = [by_id[t] for t in labels]
+        if apply_softmax:
+            top = max(values)
+            weights = [math.exp(v - top) for v in values]
+            out.append([w / sum(weights) for w in weights])
+        else:
+            out.append([math.exp(v) for v in values])
+    return out

@@ -135,6 +135,17 @@ class AbortReqInput(_Strict):
     abort_all: bool | None = False
 
 
+class ScoringRequest(_Strict):
+    """POST /v1/score: the probability of each label token right after query + item."""
+
+    model: str | None = None
+    query: str | Ids
+    items: str | list[str] | list[Ids]
+    label_token_ids: Ids = Field(min_length=1, max_length=60)
+    apply_softmax: bool | None = False
+    item_first: bool | None = False
+
+
 class TokenizeRequest(_Strict):
     """POST /tokenize (and /v1/tokenize)."""
 
@@ -158,7 +169,7 @@ class DebugControlInput(_Strict):
 
 
 BODIES: tuple[type[BaseModel], ...] = (GenerateReqInput, CompletionRequest, ChatCompletionRequest, AbortReqInput,
-                                       TokenizeRequest, DetokenizeRequest, DebugControlInput)
+                                       ScoringRequest, TokenizeRequest, DetokenizeRequest, DebugControlInput)
 REF = "#/components/schemas/{model}"
 
 

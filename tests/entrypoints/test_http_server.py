@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import os
 import signal
 import socket
@@ -658,3 +659,24 @@ def test_continue_final_message_continues_the_assistant_s_text(server, engine):
     got = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
     assert got["choices"][0]["message"]["content"] == want["text"]
     assert got["usage"]["prompt_tokens"] == len(engine.tokenizer.encode(prompt))
+
+
+def test_score_gives_the_label_tokens_probabilities_after_query_and_item(server, engine):
+    """SGLang's /v1/score: per item, exp(logprob) of each label token as the next token
+    after query + item (or, with apply_softmax, renormalized over the labels)."""
+    labels = [5, 9, 12]
+    body = {"query": [5, 6, 7], "items": [[8], [9, 10]], "label_token_ids": labels}
+    got = httpx.post(f"{server.url}/v1/score", json=body, timeout=60).json()
+    assert got["object"] == "scoring" and len(got["scores"]) == 2
+    for item, row in zip(body["items"], got["scores"]):
+        ref = engine.generate(input_ids=[5, 6, 7] + item, sampling_params={"max_new_tokens": 1, "temperature": 0},
+                              return_logprob=True, token_ids_logprob=labels)["meta_info"]["output_token_ids_logprobs"][0]
+        assert row == pytest.approx([math.exp(v) for v, _, _ in ref], rel=1e-6)
+    soft = httpx.post(f"{server.url}/v1/score", json=body | {"apply_softmax": True}, timeout=60).json()["scores"]
+    assert all(sum(row) == pytest.approx(1.0) for row in soft)
+    texts = httpx.post(f"{server.url}/v1/score", json={"query": "1 2", "items": [" 3", " 4"], "item_first": True,
+                                                       "label_token_ids": labels}, timeout=60).json()["scores"]
+    assert len(texts) == 2 and texts[0] != texts[1]
+    bad = httpx.post(f"{server.url}/v1/score", json={"query": "q", "items": ["a"], "label_token_ids": [10 ** 6]},
+                     timeout=30)
+    assert bad.status_code == 400 and "Token ID 1000000 is out of vocabulary" in bad.json()["message"]
