@@ -65,9 +65,13 @@ class BasePrefixCache(ABC):
     def _kv_len(req: CachedReq) -> int:
         """Positions of ``req`` that have KV. The last sampled token has none yet; a
         request with no output (aborted between prefill chunks) holds exactly its
-        ``prefix_indices``."""
+        ``prefix_indices``; one retracted and re-prefilled in chunks holds only the
+        chunks computed so far (``kv_committed_len``: its output alone said more, and
+        freeing that many slots freed other requests' pages)."""
         if req.output_ids:
-            return len(req.origin_input_ids) + len(req.output_ids) - 1
+            computed = len(req.origin_input_ids) + len(req.output_ids) - 1
+            # (kv_committed_len is 0 only for a caller that does not track it: the tests' fakes)
+            return min(computed, req.kv_committed_len) if req.kv_committed_len else computed
         return len(req.prefix_indices)
 
     @classmethod
