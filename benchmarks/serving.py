@@ -47,8 +47,11 @@ class Server:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # quiet: a line a request (uvicorn's access log, at serve's default info) would
+        # cost the server time and fill this benchmark's output
         self.proc = subprocess.Popen([sys.executable, "-m", "sglite.cli", "serve", "--model-path", model,
-                                      "--port", str(self.port), *flags], stderr=subprocess.DEVNULL)
+                                      "--port", str(self.port), "--log-level", "warning", *flags],
+                                     stderr=subprocess.DEVNULL)
         for _ in range(1200):
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:

@@ -164,7 +164,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                             "server cannot be paused by anyone")
         _add_security_arguments(p)
         add_engine_arguments(p)  # server arguments, --record and the tracing options (the scheduler's process)
-        p.set_defaults(func=_run_serve)
+        # SGLang's default level: the startup line, Prefill / Decode batch lines, aborts
+        p.set_defaults(func=_run_serve, log_level="info")
 
 
 def _add_security_arguments(p: argparse.ArgumentParser) -> None:

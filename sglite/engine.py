@@ -66,7 +66,7 @@ class ReqState:
 class Engine:
     def __init__(self, model_path: str = DEFAULT_MODEL, event_bus: EventBus | None = None, **kwargs: Any):
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
-        _setup_logging(self.server_args.log_level)
+        setup_logging(self.server_args.log_level)
         self.event_bus = event_bus or EventBus()
         self._tp_followers = self._start_tp_ranks()  # tp > 1: ranks 1..N-1 of this machine
         self._tp_failed = False  # a rank died: no forward can run any more
@@ -451,7 +451,8 @@ class GenerateStream:
             self._engine._release(self._rids, self._states, step=step)
 
 
-def _setup_logging(level: str) -> None:
+def setup_logging(level: str) -> None:
+    """The "sglite" logger at ``level``, to stderr, "[time] message" (each process once)."""
     logger = logging.getLogger("sglite")
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)

@@ -232,6 +232,22 @@ class ReqFinished(Event):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # a request that asked for top logprobs (2 or more): its nearest tie, the output
+    # token whose top-2 margin was smallest: (index, chosen id, its logprob, runner-up
+    # id, its logprob); None otherwise
+    closest_call: tuple[int, int, float, int, float] | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprobs(Event):
+    """One output token of a request that asked for logprobs: its logprob and its top
+    tokens (id, logprob), best first (the TUI's request detail shows them)."""
+
+    rid: str = ""
+    index: int = 0  # its place in the output
+    token_id: int = 0
+    logprob: float = 0.0
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

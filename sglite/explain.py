@@ -313,5 +313,10 @@ def _describe(e: ev.Event, until: int | None, held_rounds: Counter[str]) -> str:
     if isinstance(e, ev.ReqAborted):
         return f"{at}: aborted: {e.reason}"
     assert isinstance(e, ev.ReqFinished)
+    close = ""
+    if e.closest_call is not None:
+        index, best, best_lp, second, second_lp = e.closest_call
+        close = (f"; its closest call was output token {index}: {best} (logprob {best_lp:.4f}) over {second} "
+                 f"({second_lp:.4f}), margin {best_lp - second_lp:.4f}")
     return (f"{at}: finished ({e.reason}), {e.completion_tokens} output tokens, "
-            f"{e.cached_tokens} of {e.prompt_tokens} prompt tokens from the cache")
+            f"{e.cached_tokens} of {e.prompt_tokens} prompt tokens from the cache{close}")

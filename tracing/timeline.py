@@ -199,8 +199,11 @@ class TimelineBuilder:
         return st
 
     def _finished(self, e: ev.ReqFinished) -> None:
+        close = {} if e.closest_call is None else {  # a logprob request's nearest tie
+            "sglite.closest_call.index": e.closest_call[0], "sglite.closest_call.margin":
+                e.closest_call[2] - e.closest_call[4], "sglite.closest_call.tokens": [e.closest_call[1], e.closest_call[3]]}
         self._end_request(e.rid, e.ts, e.reason, **{
-            "gen_ai.usage.output_tokens": e.completion_tokens, "sglite.cached_tokens": e.cached_tokens})
+            "gen_ai.usage.output_tokens": e.completion_tokens, "sglite.cached_tokens": e.cached_tokens, **close})
 
     def _aborted(self, e: ev.ReqAborted) -> None:
         st = self.reqs.get(e.rid)

@@ -155,6 +155,9 @@ class DetailScreen(ModalScreen):
                  f"prompt {req.prompt_tokens} tokens, max_new_tokens {req.max_new_tokens}"
                  + (" · ignore_eos" if req.ignore_eos else ""), "", "[b]stages[/] (iteration, what happened)"]
         lines += [f"  iter {it:>5}  {escape(what)}" for it, what in req.timeline_at(view.iteration)]
+        logprobs = req.logprob_lines(view.iteration)
+        if logprobs:
+            lines += ["", "[b]logprobs[/] (token id, logprob; top tokens)"] + [escape(x) for x in logprobs]
         text = Text.from_markup("\n".join(lines) + "\n\n").append("text so far\n", style="bold")
         if req.ignore_eos:
             text.append("EOS ignored: generation continues past the model's end of turn, so the text runs on "

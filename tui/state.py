@@ -53,9 +53,27 @@ class ReqInfo:
     chunks: list[tuple[int, int, int]] = field(default_factory=list)  # (iteration, computed, total)
     holds: list[tuple[int, ev.ReqHeld]] = field(default_factory=list)  # (iteration, why it was left waiting)
     ended: tuple[int, str] | None = None  # (iteration, "finished: length" / "aborted: why")
+    # a request that asked for logprobs: (iteration, output index, token, logprob, top (id, logprob)s)
+    logprobs: list[tuple[int, int, int, float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
 
     def text_at(self, iteration: int) -> str:
         return "".join(t for it, t in self.text if it <= iteration)
+
+    def logprob_lines(self, iteration: int, last: int = 8) -> list[str]:
+        """Its output tokens' logprobs as of ``iteration``: the closest call (the smallest
+        margin between the two best tokens, where another rounding could have chosen the
+        other) and the last ``last`` tokens."""
+        rows = [r for r in self.logprobs if r[0] <= iteration]
+        two = [r for r in rows if len(r[4]) >= 2]
+        out = []
+        if two:
+            _, i, _, _, top = min(two, key=lambda r: r[4][0][1] - r[4][1][1])
+            out.append(f"closest call: output token {i}: {top[0][0]} ({top[0][1]:.4f}) over {top[1][0]} "
+                       f"({top[1][1]:.4f}), margin {top[0][1] - top[1][1]:.4f}")
+        for _, i, token, value, top in rows[-last:]:
+            rest = "  ".join(f"{t} {v:.3f}" for t, v in top[:3])
+            out.append(f"  token {i:>4}: {token} {value:.4f}" + (f"   top: {rest}" if rest else ""))
+        return out
 
     def tokens_at(self, iteration: int) -> int:
         return next((n for it, n in reversed(self.output_tokens) if it <= iteration), 0)
@@ -177,7 +195,7 @@ class ViewBuilder:
     def apply(self, e: ev.Event) -> View | None:
         it = e.iteration
         if isinstance(e, (ev.ReqArrived, ev.ReqHeld, ev.ReqAdmitted, ev.ReqChunked, ev.ReqRetracted,
-                          ev.ReqFinished, ev.ReqAborted, ev.TokensEmitted)):
+                          ev.ReqFinished, ev.ReqAborted, ev.TokensEmitted, ev.TokenLogprobs)):
             self._apply_req(e, self._req(e.rid))
         elif isinstance(e, ev.CacheMatched) and e.reason:
             self._count_miss(e)
@@ -244,6 +262,8 @@ class ViewBuilder:
             r.ended = (it, f"finished: {e.reason}")
             r.timeline.append((it, f"finished: {e.reason}, {e.completion_tokens} tokens"))
             self.add_log(it, f"done {short_rid(e.rid)} {e.reason} {e.completion_tokens} tok")
+        elif isinstance(e, ev.TokenLogprobs):
+            r.logprobs.append((it, e.index, e.token_id, e.logprob, e.top))
         elif isinstance(e, ev.ReqAborted):
             r.ended = (it, f"aborted: {e.reason}")
             r.timeline.append((it, f"aborted: {e.reason}"))

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import re
 import time
 import uuid
@@ -40,6 +41,8 @@ from sglite.server_args import ServerArgs
 
 MAX_BATCH = oai.MAX_BATCH  # requests in one body: a /generate batch, or prompts x n of an OpenAI request
 DISCONNECT_POLL = 0.5  # seconds between checks that a waiting non-streamed client is still there
+
+logger = logging.getLogger("sglite")
 
 
 @dataclasses.dataclass
@@ -525,6 +528,7 @@ async def _warm_up(manager: ServerTokenizerManager, info: ServerInfo) -> None:
     while info.status == "starting":
         if await _probe(manager, info.health_check_timeout):
             info.status = "up"
+            logger.info("The server is fired up and ready to roll!")  # SGLang's line
         else:
             await asyncio.sleep(1.0)
 

@@ -74,6 +74,9 @@ def launch_server(server_args: ServerArgs, serve_args: ServeArgs, viewer_args: A
     """Start the processes, serve until stopped, stop them. Returns an exit status.
     ``viewer_args``: the CLI's options for the viewers (--record, tracing), which attach
     in the scheduler's process (and, for tracing, the HTTP side)."""
+    from sglite.engine import setup_logging
+
+    setup_logging(server_args.log_level)  # this process's lines: uvicorn's, the ready line, errors
     if server_args.node_rank > 0:
         return _serve_other_node(server_args)
     _remove_stale_folders()
@@ -119,7 +122,7 @@ def _serve(server_args: ServerArgs, serve_args: ServeArgs, port_args: PortArgs, 
                       serve_args.enable_metrics, http_spans, port_args.events_ipc_name, serve_args.enable_debug_control,
                       serve_args.enable_debug_events, health_check_timeout=serve_args.health_check_timeout)
     app = build_app(manager, info, serve_args.security_policy())
-    config = uvicorn.Config(app, host=serve_args.host, port=serve_args.port, log_level="warning",
+    config = uvicorn.Config(app, host=serve_args.host, port=serve_args.port, log_level=server_args.log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN)
     server = _Server(config)
     # requests in flight finish within 3 s, or end as aborted 2 s before uvicorn would cancel them

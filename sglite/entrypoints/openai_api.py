@@ -27,12 +27,12 @@ SAMPLING_KEYS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_n
                  "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
                  "stop_token_ids": "stop_token_ids", "min_tokens": "min_new_tokens", "logit_bias": "logit_bias"}
 IGNORED_KEYS = {"model", "stream", "stream_options", "n", "user",
-                "response_format", "parallel_tool_calls", "service_tier", "store", "metadata",
+                "parallel_tool_calls", "service_tier", "store", "metadata",
                 "cache_salt", "extra_key"}  # (the last two: extra_key_of)
 # what only one route takes (read by prompts_of / the messages, logprob_params, echo_of)
 COMPLETION_KEYS = {"prompt", "logprobs", "echo"}
 CHAT_KEYS = {"messages", "logprobs", "top_logprobs", "continue_final_message"}
-UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
+UNSUPPORTED = {"response_format": (None, {"type": "text"}), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
                "functions": (None, []), "function_call": (None, "none")}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 NO_LIMIT = UNLIMITED_NEW_TOKENS  # a chat's max_new_tokens when none is given (the scheduler caps it at max_req_len)

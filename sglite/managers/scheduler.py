@@ -7,6 +7,7 @@ SchedulerRuntimeChecker's, text is DetokenizerManager's (docs/architecture.md)."
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
 from collections import deque
@@ -38,6 +39,8 @@ NEW_TOKEN_RATIO_DECAY_STEPS = 600
 
 RecvItem = TokenizedGenerateReqInput | AbortReq | FlushCacheReqInput | GetInternalStateReq | ExplainReq
 ControlOutput = FlushCacheReqOutput | GetInternalStateReqOutput | ExplainReqOutput
+
+logger = logging.getLogger("sglite")
 
 
 class Scheduler:
@@ -247,6 +250,8 @@ class Scheduler:
     def abort_request(self, abort: AbortReq) -> None:
         for req in self.live_reqs():
             if req.rid == abort.rid:
+                # SGLang's lines (at info here, so that a default server shows them)
+                logger.info("Abort %s request. rid=%s", "queued" if req in self.waiting_queue else "running", req.rid)
                 self.abort_now(req, abort.message, by_client=True)
                 return
 

@@ -106,7 +106,17 @@ class SchedulerObserver:
         assert req.finished_reason is not None
         self.event_bus.emit(ev.ReqFinished, rid=req.rid, reason=req.finished_reason.to_json()["type"],
                             prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
-                            cached_tokens=req.cached_tokens)
+                            cached_tokens=req.cached_tokens, closest_call=closest_call(req))
+
+    def on_token_logprobs(self, req: "Req") -> None:
+        """The newest output token's logprob and top tokens (a request that asked)."""
+        lp = req.logprobs
+        if not self.event_bus.active or lp is None or not lp.output_token_logprobs:
+            return
+        value, token = lp.output_token_logprobs[-1]
+        top = tuple((t, v) for v, t in lp.output_top_logprobs[-1])
+        self.event_bus.emit(ev.TokenLogprobs, rid=req.rid, index=len(lp.output_token_logprobs) - 1, token_id=token,
+                            logprob=value, top=top)
 
     # --- scheduling -------------------------------------------------------------------
 
@@ -295,3 +305,15 @@ class SchedulerObserver:
             pool_total=s.max_total_num_tokens, pool_free=s.token_to_kv_pool_allocator.available_size(),
             pool_evictable=s.tree_cache.evictable_size(), tree=tree, matched_node=self.last_matched_node_id,
             policy=s.server_args.schedule_policy, overlap=s.enable_overlap)
+
+
+def closest_call(req: "Req") -> tuple[int, int, float, int, float] | None:
+    """The output token whose two best candidates were nearest (a request that asked
+    for 2 or more top logprobs): where another batch's rounding could have flipped it."""
+    lp = req.logprobs
+    if lp is None or lp.top_logprobs_num < 2 or not lp.output_top_logprobs:
+        return None
+    index = min(range(len(lp.output_top_logprobs)),
+                key=lambda i: lp.output_top_logprobs[i][0][0] - lp.output_top_logprobs[i][1][0])
+    (best, best_id), (second, second_id) = lp.output_top_logprobs[index][:2]
+    return index, best_id, best, second_id, second

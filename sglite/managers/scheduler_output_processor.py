@@ -49,6 +49,7 @@ class SchedulerOutputProcessor:
             req.output_ids.append(token_id)
             if req.logprobs is not None and result.output_logprobs is not None:
                 req.logprobs.add_output(token_id, result.output_logprobs[i])
+                s.observer.on_token_logprobs(req)
             if req.first_token_time is None:
                 req.first_token_time = time.perf_counter()
             req.check_finished()

@@ -35,11 +35,11 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Co
     the recording ended) when the server stops this process with SIGTERM."""
     import setproctitle
 
-    from sglite.engine import _setup_logging
+    from sglite.engine import setup_logging
     from sglite.managers.scheduler import Scheduler
 
     setproctitle.setproctitle("sglite::scheduler_TP0")  # (ps, top, py-spy show which process is which)
-    _setup_logging(server_args.log_level)
+    setup_logging(server_args.log_level)
     parent = os.getppid()
     try:
         scheduler = Scheduler(server_args)

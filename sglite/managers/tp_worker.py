@@ -193,10 +193,10 @@ def run_tp_follower_process(server_args: ServerArgs, tp_rank: int) -> None:
     import setproctitle
 
     from sglite.distributed.parallel_state import TpRankDiedError
-    from sglite.engine import _setup_logging
+    from sglite.engine import setup_logging
 
     setproctitle.setproctitle(f"sglite::tp_worker_TP{tp_rank}")
-    _setup_logging(server_args.log_level)
+    setup_logging(server_args.log_level)
     exit_with_parent(os.getppid())
     try:
         runner = ModelRunner(server_args, tp_rank=tp_rank)

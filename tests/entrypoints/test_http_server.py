@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -41,12 +42,16 @@ class Server:
         self.started = int(time.time())  # (whole seconds, as /v1/models' created)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # stdout and stderr to a file: at SGLang's default log level (info) the server logs
+        # every prefill round and (uvicorn, on stdout) every request, and a pipe nobody
+        # reads until the end would fill and stall it
+        self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "sglite.cli", "serve", "--model-path", "tiny-random",
-                                      "--port", str(self.port), *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+                                      "--port", str(self.port), *args], stdout=self.log,
+                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.proc.stderr.read()
+            assert self.proc.poll() is None, self.stderr()
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     self.ready = int(time.time())
@@ -55,7 +60,18 @@ class Server:
                 pass
             time.sleep(0.2)
         self.proc.terminate()  # (no server left behind by a failed start: it stops its children)
-        raise AssertionError(f"the server did not come up: {self.proc.communicate(timeout=60)[1][-2000:]}")
+        self.proc.wait(timeout=60)
+        raise AssertionError(f"the server did not come up: {self.stderr()[-2000:]}")
+
+    def stderr(self) -> str:
+        """What the server has written (stderr and stdout) so far."""
+        self.log.seek(0)
+        return self.log.read()
+
+    def wait(self) -> str:
+        """Its stderr, once it exited."""
+        self.proc.wait(timeout=60)
+        return self.stderr()
 
     def state(self) -> dict:
         return httpx.get(f"{self.url}/get_server_info", timeout=30).json()["internal_states"][0]
@@ -67,7 +83,7 @@ class Server:
     def stop(self) -> tuple[int, str]:
         kids = children_of(self.proc.pid)
         self.proc.send_signal(signal.SIGTERM)
-        _, err = self.proc.communicate(timeout=60)
+        err = self.wait()
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and any(os.path.exists(f"/proc/{k}") for k in kids):
             time.sleep(0.1)
@@ -327,6 +343,8 @@ BAD = [
      "is higher than the number of input tokens"),
     ("/generate", {"text": "hi", "sampling_params": {"n": 17}}, "n must be 1 here"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, "n must be"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, "response_format is not supported"),
     ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, "unknown parameter 'frobnicate'"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages must be"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "'role' and 'content'"),
@@ -535,7 +553,7 @@ def test_tp2_serves_the_offline_engine_s_tokens_and_stops_when_a_rank_dies(engin
         assert got["output_ids"] == greedy(engine, prompt=prompt)["output_ids"]
     rank1 = next(k for k in kids if open(f"/proc/{k}/cmdline").read().startswith("sglite::tp_worker_TP1"))
     os.kill(rank1, signal.SIGKILL)
-    _, err = s.proc.communicate(timeout=60)
+    err = s.wait()
     assert s.proc.returncode == 1 and "sglite::tp_worker_TP1 exited (exit code -9)" in err, err
     assert "(float32, tp 2, pool" in err and "Traceback" not in err, err
     deadline = time.monotonic() + 20
@@ -613,7 +631,7 @@ def test_requests_in_flight_when_the_scheduler_dies_are_answered():
         scheduler = next(k for k in children_of(s.proc.pid)
                          if open(f"/proc/{k}/cmdline").read().startswith("sglite::scheduler"))
         os.kill(scheduler, signal.SIGKILL)
-        _, err = s.proc.communicate(timeout=60)
+        err = s.wait()
         got = future.result()
     assert s.proc.returncode == 1 and "sglite::scheduler exited (exit code -9)" in err, err
     assert "Traceback" not in err and "CancelledError" not in err, err
@@ -637,8 +655,10 @@ def test_generate_with_n_gives_sglang_s_order(server):
     """n samples of each prompt, batch outer and sample inner (a0, a1, b0, b1), as a
     list; streamed, each event's index is its place in that order."""
     params = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "n": 2}
-    one = httpx.post(f"{server.url}/generate", json={"text": "Hello", "sampling_params": params}, timeout=60).json()
-    assert isinstance(one, list) and len(one) == 2 and one[0]["output_ids"] != one[1]["output_ids"]
+    sampled = {**params, "n": 4, "max_new_tokens": 12, "temperature": 1.5}
+    one = httpx.post(f"{server.url}/generate", json={"text": "Hello", "sampling_params": sampled}, timeout=60).json()
+    assert isinstance(one, list) and len(one) == 4 and len({r["meta_info"]["id"] for r in one}) == 4
+    assert len({tuple(r["output_ids"]) for r in one}) > 1  # each its own seed
     body = {"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": {**params, "temperature": 0}}
     both = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
     assert [r["meta_info"]["prompt_tokens"] for r in both] == [3, 3, 2, 2]
@@ -680,3 +700,24 @@ def test_score_gives_the_label_tokens_probabilities_after_query_and_item(server,
     bad = httpx.post(f"{server.url}/v1/score", json={"query": "q", "items": ["a"], "label_token_ids": [10 ** 6]},
                      timeout=30)
     assert bad.status_code == 400 and "Token ID 1000000 is out of vocabulary" in bad.json()["message"]
+
+
+def test_logs_are_sglang_s_at_info_by_default(server):
+    """SGLang's default level: uvicorn's start, the ready line, Prefill batch / Decode
+    batch lines, an abort (the module's server logs at info: its stderr so far)."""
+    rid = "to-abort"
+    with httpx.stream("POST", f"{server.url}/generate", json={"text": "Hi", "rid": rid, "stream": True,
+                                                              "sampling_params": {"max_new_tokens": 500,
+                                                                                  "ignore_eos": True}},
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)
+        httpx.post(f"{server.url}/abort_request", json={"rid": rid}, timeout=30)
+        list(lines)
+    deadline = time.monotonic() + 10
+    while "Abort running request. rid=to-abort" not in server.stderr() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    err = server.stderr()
+    for line in ("Uvicorn running on", "The server is fired up and ready to roll!", "Prefill batch. #new-seq:",
+                 "Decode batch. #running-req:", "Abort running request. rid=to-abort"):
+        assert line in err, (line, err[-3000:])

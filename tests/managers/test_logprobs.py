@@ -99,3 +99,25 @@ def test_a_batch_may_ask_per_request_and_the_others_get_no_logprob_keys():
             engine.generate(input_ids=[[5, 6, 7], [8, 9, 10]], return_logprob=[True])
     assert "output_top_logprobs" not in out[0]["meta_info"] and len(out[0]["meta_info"]["output_token_logprobs"]) == 2
     assert not any(k in out[1]["meta_info"] for k in LOGPROB_KEYS)
+
+
+def test_explain_the_trace_and_the_tui_show_a_request_s_closest_call():
+    """A request asking for top logprobs: explain names its nearest tie (the output
+    token whose two best candidates were closest), the TUI's request detail shows it and
+    each token's top tokens, from the same events."""
+    from tui.state import ViewBuilder
+
+    builder = ViewBuilder()
+    with Engine("tiny-random", log_level="error") as engine:
+        engine.event_bus.subscribe(builder.apply)
+        out = engine.generate(input_ids=[5, 6, 7, 8], sampling_params={"max_new_tokens": 6, "temperature": 0},
+                              return_logprob=True, top_logprobs_num=3, rid="lp")
+        text = engine.explain("lp")
+    tops = out["meta_info"]["output_top_logprobs"]
+    i = min(range(6), key=lambda k: tops[k][0][0] - tops[k][1][0])
+    (best, best_id, _), (second, second_id, _) = tops[i][:2]
+    want = f"closest call was output token {i}: {best_id} (logprob {best:.4f}) over {second_id} ({second:.4f})"
+    assert want in text, text
+    lines = builder.requests["lp"].logprob_lines(10 ** 9)
+    assert lines[0].startswith(f"closest call: output token {i}: {best_id} ({best:.4f}) over {second_id}")
+    assert len(lines) == 1 + 6 and lines[-1].startswith(f"  token    5: {out['output_ids'][5]}")

@@ -171,3 +171,19 @@ def test_tp2_forward_spans_have_one_child_per_rank_with_its_all_reduce_time():
         for s in ranks:
             assert s.start_time == f.start_time and s.end_time > s.start_time
             assert 0 < s.attributes["sglite.all_reduce_ms"] * 1e6 < s.end_time - s.start_time
+
+
+def test_a_logprob_request_s_span_carries_its_closest_call():
+    engine, mem, tr = traced()
+    out = engine.generate(input_ids=[5, 6, 7, 8], sampling_params={"max_new_tokens": 6, **GREEDY}, rid="lp",
+                          return_logprob=True, top_logprobs_num=2)
+    engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2, **GREEDY}, rid="plain")
+    tr.shutdown()
+    spans = mem.get_finished_spans()
+    (lp,) = by_name(spans, "req lp")
+    tops = out["meta_info"]["output_top_logprobs"]
+    i = min(range(6), key=lambda k: tops[k][0][0] - tops[k][1][0])
+    assert lp.attributes["sglite.closest_call.index"] == i
+    assert lp.attributes["sglite.closest_call.margin"] == tops[i][0][0] - tops[i][1][0]
+    assert list(lp.attributes["sglite.closest_call.tokens"]) == [tops[i][0][1], tops[i][1][1]]
+    assert "sglite.closest_call.index" not in by_name(spans, "req plain")[0].attributes
