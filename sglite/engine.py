@@ -259,7 +259,8 @@ class Engine:
             self._release_dropped()
             busy = [r for r in named if r in self._results and (not self._results[r].finished or self._results[r].waiter)]
             if busy:
-                raise ValueError(f"Duplicate request ID detected: {busy[0]!r} is already in use by an unfinished request")
+                raise ValueError(f"Duplicate request ID detected: {busy[0]!r} is already in use by an unfinished "
+                                 "request")
             rids = self._submit_all([dict(req, sampling_params=p, rid=r, extra_key=k, logprob=lp)
                                      for req, p, r, k, lp in zip(reqs, params, rids, keys, logprobs)], stream)
             states = [self._results[r] for r in rids]

@@ -31,6 +31,7 @@ from starlette.background import BackgroundTask
 
 from sglite.entrypoints import openai_api as oai
 from sglite.entrypoints import protocol
+from sglite.entrypoints import responses_api as rapi
 from sglite.entrypoints.http_security import HttpGuard, SecurityPolicy, parse_json, start_json_worker
 from sglite.managers.io_struct import (HEALTH_CHECK_RID_PREFIX, DebugControlReq, ExplainReq, FlushCacheReqInput,
                                        GetInternalStateReq, LogprobParams)
@@ -603,6 +604,10 @@ def _openai_routes(app: FastAPI, manager: ServerTokenizerManager, info: ServerIn
     async def chat_completions(request: Request) -> Response:
         return await _traced(request, info, lambda parent: _openai(request, manager, info, True, parent))
 
+    @app.post("/v1/responses", openapi_extra=protocol.body(protocol.ResponsesRequest))
+    async def responses(request: Request) -> Response:
+        return await _traced(request, info, lambda parent: _responses(request, manager, info, parent))
+
     @app.post("/v1/score", openapi_extra=protocol.body(protocol.ScoringRequest))
     async def score(request: Request) -> Response:
         return await _traced(request, info, lambda parent: _score(request, manager, info, parent))
@@ -675,6 +680,50 @@ async def _score(request: Request, manager: ServerTokenizerManager, info: Server
     usage["total_tokens"] = usage["prompt_tokens"]
     return JSONResponse({"scores": oai.scores(metas, labels, softmax), "model": info.model_name, "usage": usage,
                          "object": "scoring"})
+
+
+async def _responses(request: Request, manager: ServerTokenizerManager, info: ServerInfo,
+                     trace_parent: str) -> Response:
+    """OpenAI's /v1/responses for plain text (responses_api.py): a chat request, answered
+    as a ``response`` object or streamed as ``response.*`` events."""
+    body = await _json(request)
+    messages, params, stream = rapi.parse(body)
+    params.setdefault("max_new_tokens", oai.NO_LIMIT)
+    rid, msg_id = rapi.new_ids()
+    claim = await manager.submit([ReqSpec(rid, None, None, messages, params, stream)], trace_parent)
+    if stream:
+        events = _responses_stream(manager, claim, rapi.EventStream(rid, msg_id, info.model_name, body))
+        return StreamingResponse(ClaimedStream(events, claim), media_type="text/event-stream")
+    try:
+        states = await _collect_all(manager, claim, request)
+    finally:
+        claim.release()
+    failed = _status_error(states)
+    if failed is not None:
+        return failed
+    state = states[0]
+    if "error" in state.meta_info:  # (a round that failed inside the scheduler)
+        return _ascii_json(oai.error_body(state.meta_info["error"], code=500, kind="InternalServerError"), 500)
+    return JSONResponse(rapi.response(rid, msg_id, info.model_name, body, state.text, state.meta_info))
+
+
+async def _responses_stream(manager: ServerTokenizerManager, claim: Claim, events: "rapi.EventStream"
+                            ) -> AsyncIterator[bytes]:
+    for opening in events.opening():
+        yield opening
+    state, text = claim.states[0], ""
+    async for _ in manager.results(state):
+        new = "".join(o.new_text for o in state.outs)
+        state.outs.clear()
+        if new:
+            text += new
+            yield events.delta(new)
+    error = oai.stream_error(state.meta_info)
+    if error is not None:
+        yield events.event("error", code=error["code"], message=error["message"], param=None)
+        return
+    for closing in events.closing(text, state.meta_info):
+        yield closing
 
 
 def _echo_text(manager: ServerTokenizerManager, inp: dict[str, Any]) -> str:

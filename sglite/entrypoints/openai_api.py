@@ -32,7 +32,8 @@ IGNORED_KEYS = {"model", "stream", "stream_options", "n", "user",
 # what only one route takes (read by prompts_of / the messages, logprob_params, echo_of)
 COMPLETION_KEYS = {"prompt", "logprobs", "echo"}
 CHAT_KEYS = {"messages", "logprobs", "top_logprobs", "continue_final_message"}
-UNSUPPORTED = {"response_format": (None, {"type": "text"}), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
+UNSUPPORTED = {"response_format": (None, {"type": "text"}), "best_of": (None, 1), "suffix": (None, ""),
+               "tools": (None, []), "tool_choice": (None, "none"),
                "functions": (None, []), "function_call": (None, "none")}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 NO_LIMIT = UNLIMITED_NEW_TOKENS  # a chat's max_new_tokens when none is given (the scheduler caps it at max_req_len)
@@ -229,7 +230,8 @@ def chat_response(rid: str, model: str, texts: list[str], metas: list[dict[str, 
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": i, "message": {"role": "assistant", "content": t, "reasoning_content": None,
                                                  "tool_calls": None},
-                         "logprobs": chat_logprobs(m), "finish_reason": finish_reason(m), "matched_stop": matched_stop(m)}
+                         "logprobs": chat_logprobs(m), "finish_reason": finish_reason(m),
+                         "matched_stop": matched_stop(m)}
                         for i, (t, m) in enumerate(zip(texts, metas))],
             "usage": usage(metas, n)}
 

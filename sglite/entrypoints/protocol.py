@@ -135,6 +135,31 @@ class AbortReqInput(_Strict):
     abort_all: bool | None = False
 
 
+class ResponseInputMessage(BaseModel):
+    role: str
+    content: str | list[dict[str, Any]]
+    type: Literal["message"] | None = None
+
+
+class ResponsesRequest(_Strict):
+    """POST /v1/responses (plain text: no tools, nothing stored)."""
+
+    model: str | None = None
+    input: str | list[ResponseInputMessage]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool | None = False
+    store: Literal[False] | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: str | None = None
+    parallel_tool_calls: bool | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    tools: list[Any] | None = Field(None, max_length=0)
+
+
 class ScoringRequest(_Strict):
     """POST /v1/score: the probability of each label token right after query + item."""
 
@@ -169,7 +194,8 @@ class DebugControlInput(_Strict):
 
 
 BODIES: tuple[type[BaseModel], ...] = (GenerateReqInput, CompletionRequest, ChatCompletionRequest, AbortReqInput,
-                                       ScoringRequest, TokenizeRequest, DetokenizeRequest, DebugControlInput)
+                                       ResponsesRequest, ScoringRequest, TokenizeRequest, DetokenizeRequest,
+                                       DebugControlInput)
 REF = "#/components/schemas/{model}"
 
 

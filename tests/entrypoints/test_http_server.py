@@ -721,3 +721,28 @@ def test_logs_are_sglang_s_at_info_by_default(server):
     for line in ("Uvicorn running on", "The server is fired up and ready to roll!", "Prefill batch. #new-seq:",
                  "Decode batch. #running-req:", "Abort running request. rid=to-abort"):
         assert line in err, (line, err[-3000:])
+
+
+def test_responses_api_for_plain_text_with_the_openai_client(server, engine):
+    """/v1/responses: the openai client's responses.create, non-streamed and streamed
+    (SGLang's event order), equal to the same chat through the engine."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    want = engine.generate(messages=chat, sampling_params={"max_new_tokens": 5, "temperature": 0})
+    got = client.responses.create(model="m", instructions="Be brief.", input="Hello", max_output_tokens=5,
+                                  temperature=0, store=False)
+    assert got.output_text == want["text"] and got.status == "incomplete"
+    assert got.incomplete_details.reason == "max_output_tokens" and got.usage.output_tokens == 5
+    events = list(client.responses.create(model="m", instructions="Be brief.", max_output_tokens=5, temperature=0,
+                                          input=[{"role": "user", "content": [{"type": "input_text",
+                                                                               "text": "Hello"}]}],
+                                          stream=True, store=False))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want["text"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    bad = httpx.post(f"{server.url}/v1/responses", json={"input": "hi", "previous_response_id": "resp_1"}, timeout=30)
+    assert bad.status_code == 400 and "previous_response_id is not supported" in bad.json()["message"]
