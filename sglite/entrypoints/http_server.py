@@ -327,15 +327,26 @@ async def _generate(request: Request, manager: ServerTokenizerManager, trace_par
     if stream:
         events = _native_batch_stream(manager, claim) if batch else _native_stream(manager, claim)
         return StreamingResponse(ClaimedStream(events, claim), media_type="text/event-stream")
+    states, failed = await _run_to_end(manager, claim, request, round_failure_is_error=False)
+    if failed is not None:
+        return failed
+    results = [_native_result(s) for s in states]
+    return JSONResponse(results if batch else results[0])
+
+
+async def _run_to_end(manager: ServerTokenizerManager, claim: Claim, request: Request,
+                      round_failure_is_error: bool = True) -> tuple[list[ServerReqState], Response | None]:
+    """Run the claim's requests to their end (then release it), with the error response
+    due instead of a result, if any: a request aborted with an HTTP status (503), or one
+    whose round failed inside the scheduler (500; /generate keeps those in its result)."""
     try:
         states = await _collect_all(manager, claim, request)
     finally:
         claim.release()
-    unavailable = _status_error(states)
-    if unavailable is not None:
-        return unavailable
-    results = [_native_result(s) for s in states]
-    return JSONResponse(results if batch else results[0])
+    errors = [s.meta_info["error"] for s in states if "error" in s.meta_info]
+    if errors and round_failure_is_error:
+        return states, _ascii_json(oai.error_body(errors[0], code=500, kind="InternalServerError"), 500)
+    return states, _status_error(states)
 
 
 def _status_error(states: list[ServerReqState]) -> Response | None:
@@ -637,16 +648,9 @@ async def _openai(request: Request, manager: ServerTokenizerManager, info: Serve
         events = _openai_stream(manager, claim, OpenAIStream(rid, info.model_name, chat, n, echoes, echo),
                                 include_usage)
         return StreamingResponse(ClaimedStream(events, claim), media_type="text/event-stream")
-    try:
-        states = await _collect_all(manager, claim, request)
-    finally:
-        claim.release()
-    errors = [s.meta_info["error"] for s in states if "error" in s.meta_info]
-    if errors:  # (a round that failed inside the scheduler)
-        return _ascii_json(oai.error_body(errors[0], code=500, kind="InternalServerError"), 500)
-    unavailable = _status_error(states)
-    if unavailable is not None:
-        return unavailable
+    states, failed = await _run_to_end(manager, claim, request)
+    if failed is not None:
+        return failed
     texts, metas = [e + s.text for e, s in zip(echoes, states)], [s.result_meta() for s in states]
     if chat:
         return JSONResponse(oai.chat_response(rid, info.model_name, texts, metas, n))
@@ -668,11 +672,7 @@ async def _score(request: Request, manager: ServerTokenizerManager, info: Server
     specs = [ReqSpec(f"{rid}-{i}", p.get("prompt"), p.get("input_ids"), None, params, False, None, logprob)
              for i, p in enumerate(prompts)]
     claim = await manager.submit(specs, trace_parent)
-    try:
-        states = await _collect_all(manager, claim, request)
-    finally:
-        claim.release()
-    failed = _status_error(states)
+    states, failed = await _run_to_end(manager, claim, request)
     if failed is not None:
         return failed
     metas = [s.result_meta() for s in states]
@@ -694,16 +694,10 @@ async def _responses(request: Request, manager: ServerTokenizerManager, info: Se
     if stream:
         events = _responses_stream(manager, claim, rapi.EventStream(rid, msg_id, info.model_name, body))
         return StreamingResponse(ClaimedStream(events, claim), media_type="text/event-stream")
-    try:
-        states = await _collect_all(manager, claim, request)
-    finally:
-        claim.release()
-    failed = _status_error(states)
+    states, failed = await _run_to_end(manager, claim, request)
     if failed is not None:
         return failed
     state = states[0]
-    if "error" in state.meta_info:  # (a round that failed inside the scheduler)
-        return _ascii_json(oai.error_body(state.meta_info["error"], code=500, kind="InternalServerError"), 500)
     return JSONResponse(rapi.response(rid, msg_id, info.model_name, body, state.text, state.meta_info))
 
 
