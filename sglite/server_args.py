@@ -62,6 +62,9 @@ class ServerArgs:
               "(docs/scheduler.md has the measurements); --enable-overlap-schedule runs it anyway",
         negative="--enable-overlap-schedule")
     random_seed: int = _opt(42, "seed for requests that bring no seed of their own")
+    skip_tokenizer_init: bool = _opt(
+        False, "load no tokenizer: requests give input_ids and get output_ids (text stays empty; prompts, chat "
+               "messages and stop strings are refused), as SGLang's flag")
     waiting_timeout: float | None = _opt(None, "abort a request that waits longer than this many seconds")
     running_timeout: float | None = _opt(None, "abort a request that runs longer than this many seconds")
     # kernels

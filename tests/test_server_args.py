@@ -96,3 +96,15 @@ def test_sglang_s_environment_knobs(monkeypatch):
             return engine.scheduler.cur_batch.batch_size()
 
     assert first_round("4096") < first_round("1") == 8
+
+
+def test_skip_tokenizer_init_serves_ids_in_and_ids_out():
+    with Engine("tiny-random", log_level="error") as engine:
+        want = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, "temperature": 0})
+    with Engine("tiny-random", skip_tokenizer_init=True, log_level="error") as engine:
+        assert engine.tokenizer is None
+        got = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, "temperature": 0})
+        assert got["output_ids"] == want["output_ids"] and got["text"] == ""
+        assert "pass input_ids" in engine.generate("Hello")["error"]
+        refused = engine.generate(input_ids=[5, 6], sampling_params={"stop": "x"})["error"]
+        assert refused.startswith("stop strings need a tokenizer")

@@ -50,6 +50,9 @@ class TokenizerManager:
         try:
             params = SamplingParams.from_dict(sampling_params)
             params.verify(self.vocab_size)
+            if params.stop and self.tokenizer is None:
+                raise RequestError("stop strings need a tokenizer, and this server has none (--skip-tokenizer-init "
+                                   "or a model without one): use stop_token_ids")
             check_extra_key(extra_key)
             if logprob is not None:
                 logprob.check(self.vocab_size)
@@ -147,7 +150,7 @@ class TokenizerManager:
 
     def _need_tokenizer(self) -> "Tokenizer":
         if self.tokenizer is None:
-            raise RequestError("this model has no tokenizer; pass input_ids")
+            raise RequestError("no tokenizer here (--skip-tokenizer-init, or a model without one): pass input_ids")
         return self.tokenizer
 
 

@@ -188,6 +188,8 @@ class ModelRunner:
 
             loaded = load_model(server_args.model_path, dtype=self.dtype)
             model_config, weights, self.tokenizer = loaded.config, loaded.weights, loaded.tokenizer
+            if server_args.skip_tokenizer_init:
+                self.tokenizer = None  # ids in, ids out
         self.model_config = model_config
         # the KV heads this rank's pool holds (all of them at tp 1)
         self.num_kv_heads = head_shard(model_config.num_attention_heads, model_config.num_key_value_heads,
