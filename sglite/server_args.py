@@ -62,6 +62,9 @@ class ServerArgs:
               "(docs/scheduler.md has the measurements); --enable-overlap-schedule runs it anyway",
         negative="--enable-overlap-schedule")
     random_seed: int = _opt(42, "seed for requests that bring no seed of their own")
+    incremental_streaming_output: bool = _opt(
+        False, "a streamed /generate sends each event's new text, output_ids and output logprobs only (default: "
+               "everything so far, as SGLang's); --stream-output is SGLang's older name", aliases=("--stream-output",))
     skip_tokenizer_init: bool = _opt(
         False, "load no tokenizer: requests give input_ids and get output_ids (text stays empty; prompts, chat "
                "messages and stop strings are refused), as SGLang's flag")
@@ -202,7 +205,8 @@ class ServerArgs:
                 continue
             if f.type in ("bool", bool):
                 action = argparse.BooleanOptionalAction if f.default else "store_true"
-                group.add_argument(flag, action=action, default=f.default, help=help_text)
+                group.add_argument(flag, *f.metadata.get("aliases", ()), action=action, default=f.default,
+                                   help=help_text)
                 continue
             typ = _parse_type(f.type)
             kw: dict[str, Any] = {"type": typ, "default": f.default, "help": help_text}

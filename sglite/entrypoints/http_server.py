@@ -325,7 +325,8 @@ async def _generate(request: Request, manager: ServerTokenizerManager, trace_par
         specs, batch = _parallel_samples(specs), True
     claim = await manager.submit(specs, trace_parent, batch)  # (nothing is sent before every request passed)
     if stream:
-        events = _native_batch_stream(manager, claim) if batch else _native_stream(manager, claim)
+        shape = NativeChunks(request.app.state.info.server_args.incremental_streaming_output)
+        events = _native_batch_stream(manager, claim, shape) if batch else _native_stream(manager, claim, shape)
         return StreamingResponse(ClaimedStream(events, claim), media_type="text/event-stream")
     states, failed = await _run_to_end(manager, claim, request, round_failure_is_error=False)
     if failed is not None:
@@ -446,16 +447,38 @@ class ClaimedStream:
         await self.events.aclose()  # type: ignore[attr-defined]
 
 
-async def _native_stream(manager: ServerTokenizerManager, claim: Claim) -> AsyncIterator[bytes]:
-    """Cumulative text per event, as SGLang streams it, then [DONE]."""
+class NativeChunks:
+    """A streamed /generate's events: each request's result so far (SGLang's default),
+    or with --incremental-streaming-output only what is new since its last event (text,
+    output_ids and the output logprob keys; the rest of meta_info as it is)."""
+
+    INCREMENTAL_KEYS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+
+    def __init__(self, incremental: bool):
+        self.incremental = incremental
+        self.sent: dict[str, tuple[int, int]] = {}  # rid -> (characters, tokens) sent
+
+    def __call__(self, state: ServerReqState) -> dict[str, Any]:
+        out = _native_result(state)
+        if not self.incremental:
+            return out
+        chars, tokens = self.sent.get(state.rid, (0, 0))
+        self.sent[state.rid] = (len(state.text), len(state.output_ids))
+        meta = {k: v[tokens:] if k in self.INCREMENTAL_KEYS else v for k, v in out["meta_info"].items()}
+        return out | {"text": state.text[chars:], "output_ids": out["output_ids"][tokens:], "meta_info": meta}
+
+
+async def _native_stream(manager: ServerTokenizerManager, claim: Claim, shape: NativeChunks) -> AsyncIterator[bytes]:
+    """The request's result per event (cumulative by default, as SGLang streams it), then [DONE]."""
     async for state in manager.results(claim.states[0]):
-        yield f"data: {json.dumps(_native_result(state))}\n\n".encode()
+        yield f"data: {json.dumps(shape(state))}\n\n".encode()
     yield b"data: [DONE]\n\n"
 
 
-async def _native_batch_stream(manager: ServerTokenizerManager, claim: Claim) -> AsyncIterator[bytes]:
-    """A batch: each request's cumulative result as it comes, with its "index", then [DONE]."""
-    async with contextlib.aclosing(_merge(manager, claim, lambda i, s: _native_result(s) | {"index": i})) as events:
+async def _native_batch_stream(manager: ServerTokenizerManager, claim: Claim, shape: NativeChunks
+                               ) -> AsyncIterator[bytes]:
+    """A batch: each request's result as it comes (see NativeChunks), with its "index", then [DONE]."""
+    async with contextlib.aclosing(_merge(manager, claim, lambda i, s: shape(s) | {"index": i})) as events:
         async for _, event, _ in events:
             yield f"data: {json.dumps(event)}\n\n".encode()
     yield b"data: [DONE]\n\n"

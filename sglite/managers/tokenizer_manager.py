@@ -50,9 +50,9 @@ class TokenizerManager:
         try:
             params = SamplingParams.from_dict(sampling_params)
             params.verify(self.vocab_size)
-            if params.stop and self.tokenizer is None:
-                raise RequestError("stop strings need a tokenizer, and this server has none (--skip-tokenizer-init "
-                                   "or a model without one): use stop_token_ids")
+            if params.stop and self.tokenizer is None:  # SGLang's words
+                raise RequestError(f"stop={params.stop!r} is unavailable when skip_tokenizer_init=True (requires "
+                                   "tokenizer to decode tokens to text for matching); use stop_token_ids")
             check_extra_key(extra_key)
             if logprob is not None:
                 logprob.check(self.vocab_size)
@@ -149,8 +149,9 @@ class TokenizerManager:
                 "messages or the completion to fit within the limit.")
 
     def _need_tokenizer(self) -> "Tokenizer":
-        if self.tokenizer is None:
-            raise RequestError("no tokenizer here (--skip-tokenizer-init, or a model without one): pass input_ids")
+        if self.tokenizer is None:  # SGLang's words
+            raise RequestError("The engine initialized with skip_tokenizer_init=True cannot accept text prompts. "
+                               "Please provide input_ids or re-initialize the engine with skip_tokenizer_init=False.")
         return self.tokenizer
 
 

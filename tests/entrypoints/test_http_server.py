@@ -746,3 +746,22 @@ def test_responses_api_for_plain_text_with_the_openai_client(server, engine):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     bad = httpx.post(f"{server.url}/v1/responses", json={"input": "hi", "previous_response_id": "resp_1"}, timeout=30)
     assert bad.status_code == 400 and "previous_response_id is not supported" in bad.json()["message"]
+
+
+def test_incremental_streaming_output_sends_only_what_is_new():
+    """--incremental-streaming-output (SGLang's --stream-output): each event's text,
+    output_ids and output logprobs are new ones; joined, they are the whole answer."""
+    s = Server("--stream-output")
+    try:
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+                "return_logprob": True, "stream": True}
+        whole = httpx.post(f"{s.url}/generate", json=body | {"stream": False}, timeout=60).json()
+        with httpx.stream("POST", f"{s.url}/generate", json=body, timeout=60) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert len(events) > 1 and "".join(e["text"] for e in events) == whole["text"]
+        assert [t for e in events for t in e["output_ids"]] == whole["output_ids"]
+        joined = [x for e in events for x in e["meta_info"]["output_token_logprobs"]]
+        assert joined == whole["meta_info"]["output_token_logprobs"]
+    finally:
+        rc, err = s.stop()
+    assert rc == 0, err
