@@ -111,9 +111,9 @@ def _serve(server_args: ServerArgs, serve_args: ServeArgs, port_args: PortArgs, 
     ready = _launch_subprocesses(server_args, port_args, labels, children, viewer_args)
     metrics = None
     if labels is not None:
-        from sglite.metrics.collector import TokenizerMetricsCollector
+        from sglite.metrics.collector import TokenizerMetricsCollector, tokenizer_labels
 
-        metrics = TokenizerMetricsCollector(labels)
+        metrics = TokenizerMetricsCollector(tokenizer_labels(labels))
     gate = TokenizerManager(ready["tokenizer"], ready["vocab_size"], ready["max_req_input_len"],
                             ready["context_len"], ready["max_total_num_tokens"])
     manager = ServerTokenizerManager(gate, port_args, metrics)

@@ -128,6 +128,8 @@ class SchedulerProcessLoop:
         scheduler.send_to_detokenizer = self._to_detokenizer
         scheduler.send_to_tokenizer = self.to_tokenizer.send_pyobj
         self.metrics = SchedulerMetricsCollector(metrics_labels) if metrics_labels is not None else None
+        if self.metrics is not None:  # its counters and queue-time histogram come from the events
+            scheduler.event_bus.subscribe(self.metrics.on_event, kinds=self.metrics.kinds())
         self.publisher = EventPublisher(ctx, port_args.events_ipc_name, scheduler)
         self.paused, self.steps = False, 0  # steps: iterations asked for while paused
         self.in_iteration = self.stopping = False
@@ -168,6 +170,8 @@ class SchedulerProcessLoop:
         """One request's output: kept for this iteration's message to the detokenizer
         process; its TokensEmitted emitted now while anyone listens."""
         self.outputs.append(out)
+        if self.metrics is not None:
+            self.metrics.on_output(out.rid, len(out.new_token_ids), out.finished)
         if self.scheduler.event_bus.active:
             self.event_detokenizer.handle_batch_token_id_out(out)
         elif self.event_detokenizer.decode_status:

@@ -31,19 +31,85 @@ SCHEDULER_GAUGES = {
 }
 
 
+# SGLang's queue_time_seconds buckets
+QUEUE_BUCKETS = (0, 0.1, 0.2, 0.5, 1, 2, 3, 4, 5, 10, 15, 20, 30, 40, 50, 60, 70, 80, 90, 100, 200, 300, 400, 500,
+                 600, 700, 800, 900, 1000, 1200, 1400, 1600, 1800, 2000, 2500, 3000)
+RETRACTION_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 15, 20, 25, 30, 40, 50, 75, 100)
+
+
 def labels_for(model_name: str) -> dict[str, str]:
-    return {"model_name": model_name, "engine_type": "unified", "tp_rank": "0"}
+    """The scheduler's labels (SGLang's: the tokenizer side has only the first two)."""
+    return {"model_name": model_name, "engine_type": "unified", "tp_rank": "0", "pp_rank": "0"}
+
+
+def tokenizer_labels(labels: dict[str, str]) -> dict[str, str]:
+    return {k: labels[k] for k in ("model_name", "engine_type")}
 
 
 class SchedulerMetricsCollector:
-    """The scheduler's gauges, updated at most every METRICS_INTERVAL seconds."""
+    """The scheduler's gauges, updated at most every METRICS_INTERVAL seconds, and its
+    counters and histogram, from the scheduler's events (subscribe ``on_event``)."""
 
     def __init__(self, labels: dict[str, str]):
-        from prometheus_client import Gauge
+        from prometheus_client import Counter, Gauge, Histogram
 
         self.labels, self._last = labels, 0.0
         self.gauges = {n: Gauge(f"sglang:{n}", doc, list(labels), multiprocess_mode="mostrecent")
                        for n, doc in SCHEDULER_GAUGES.items()}
+        names = list(labels)
+        self.retracted_requests = Counter("sglang:num_retracted_requests_total", "Retracted requests.",
+                                          names).labels(**labels)
+        self.retracted_input = Counter("sglang:num_retracted_input_tokens_total",
+                                       "Prompt tokens of retracted requests (to prefill again unless cached).",
+                                       names).labels(**labels)
+        self.retracted_output = Counter("sglang:num_retracted_output_tokens_total",
+                                        "Output tokens of retracted requests (to prefill again unless cached).",
+                                        names).labels(**labels)
+        realtime = Counter("sglang:realtime_tokens_total", "Tokens processed, by mode: prefill_compute (prompt "
+                           "rows computed), prefill_cache (prompt tokens served from the prefix cache), decode.",
+                           names + ["mode"])
+        self.realtime = {mode: realtime.labels(**labels, mode=mode)
+                         for mode in ("prefill_compute", "prefill_cache", "decode")}
+        self.queue_time = Histogram("sglang:queue_time_seconds", "Time a request waited before its first forward.",
+                                    names, buckets=QUEUE_BUCKETS).labels(**labels)
+        self._arrived: dict[str, float] = {}  # rid -> its arrival (event ts), until its first admission
+        self._decoding: set[str] = set()  # rids whose first token came
+
+    def on_event(self, e: Any) -> None:
+        """Counters and the queue-time histogram from the scheduler's events."""
+        from sglite import events as ev
+
+        if isinstance(e, ev.ReqArrived):
+            self._arrived[e.rid] = e.ts
+        elif isinstance(e, ev.ReqAdmitted):
+            self.realtime["prefill_compute"].inc(e.extend_len)
+            self.realtime["prefill_cache"].inc(e.prefix_len)
+            arrived = self._arrived.pop(e.rid, None)
+            if arrived is not None:
+                self.queue_time.observe(max(0.0, e.ts - arrived))
+        elif isinstance(e, ev.ReqRetracted):
+            self.retracted_requests.inc()
+            self.retracted_output.inc(e.output_tokens)
+            self.retracted_input.inc(max(0, e.kept_tokens + e.recompute_tokens - e.output_tokens))
+        elif isinstance(e, (ev.ReqAborted, ev.ReqFinished)):
+            self._arrived.pop(e.rid, None)
+
+    def on_output(self, rid: str, new_tokens: int, finished: bool) -> None:
+        """A request's tokens sent out: its first came from its prefill, the rest from
+        decode rounds (realtime_tokens_total{mode="decode"})."""
+        if new_tokens:
+            first = rid not in self._decoding
+            self._decoding.add(rid)
+            self.realtime["decode"].inc(new_tokens - first)
+        if finished:
+            self._decoding.discard(rid)
+
+    @staticmethod
+    def kinds() -> tuple[type, ...]:
+        """The events ``on_event`` reads."""
+        from sglite import events as ev
+
+        return ev.ReqArrived, ev.ReqAdmitted, ev.ReqRetracted, ev.ReqAborted, ev.ReqFinished
 
     def update(self, scheduler: Any, force: bool = False) -> None:
         now = time.monotonic()
@@ -79,6 +145,8 @@ class TokenizerMetricsCollector:
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "End-to-end request latency.",
                                              E2E_BUCKETS)
+        self.num_retractions = histogram("num_retractions", "Times a finished request was retracted.",
+                                         RETRACTION_BUCKETS)
 
     def observe_finished(self, meta: dict[str, Any], e2e: float) -> None:
         self.prompt_tokens_total.inc(meta.get("prompt_tokens", 0))
@@ -88,3 +156,4 @@ class TokenizerMetricsCollector:
         if (meta.get("finish_reason") or {}).get("type") == "abort":
             self.num_aborted_requests_total.inc()
         self.e2e_request_latency.observe(e2e)
+        self.num_retractions.observe(meta.get("retraction_count", 0))

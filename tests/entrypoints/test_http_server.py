@@ -9,6 +9,7 @@ import concurrent.futures
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -431,6 +432,43 @@ def test_metrics_parse_and_count_what_was_served(server):
         assert name in after, name
     # a histogram's _count: how many requests it observed (one per request), not a time
     assert after["sglang:e2e_request_latency_seconds_count"] - before["sglang:e2e_request_latency_seconds_count"] == len(PROMPTS)
+    for name in ("sglang:queue_time_seconds_count", "sglang:num_retractions_count"):
+        assert after[name] - before.get(name, 0) == len(PROMPTS), name
+
+
+def labeled(server: Server) -> dict[tuple[str, str], float]:
+    """(sample name, its mode label or "") -> value."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return {(s.name, s.labels.get("mode", "")): s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples}
+
+
+def test_metrics_have_sglang_s_families_and_labels_and_pass_promtool(server, engine):
+    """realtime_tokens_total by mode (prompt rows computed, served from the cache, decoded),
+    the retraction counters, SGLang's labels (the scheduler's with tp_rank and pp_rank,
+    the tokenizer's without); `promtool check metrics` finds nothing but SGLang's colon."""
+    before = labeled(server)
+    prompt = engine.tokenizer.encode("Once upon a time there was")
+    for _ in range(2):  # the second finds the prompt cached, all but its last token
+        httpx.post(f"{server.url}/generate", json={"input_ids": prompt, "sampling_params": {
+            "max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}, timeout=60)
+    after = labeled(server)
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    mode = {m: delta[("sglang:realtime_tokens_total", m)] for m in ("prefill_compute", "prefill_cache", "decode")}
+    assert mode == {"prefill_compute": len(prompt) + 1, "prefill_cache": len(prompt) - 1, "decode": 8}
+    for name in ("sglang:num_retracted_requests_total", "sglang:num_retracted_input_tokens_total",
+                 "sglang:num_retracted_output_tokens_total"):
+        assert (name, "") in after, name
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    assert 'sglang:num_running_reqs{engine_type="unified",model_name="tiny-random",pp_rank="0",tp_rank="0"}' in text
+    assert 'sglang:num_requests_total{engine_type="unified",model_name="tiny-random"}' in text
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool is not installed (.ci/run installs Debian's prometheus)")
+    lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    findings = [line for line in (lint.stdout + lint.stderr).splitlines() if line.strip()]
+    # the one finding promtool has is SGLang's own naming: "sglang:" (a colon, which
+    # Prometheus' convention keeps for recording rules) starts every family
+    assert findings and all(f.endswith("metric names should not contain ':'") for f in findings), findings
 
 
 def test_a_model_that_fails_to_load_is_one_line_and_no_server(tmp_path):
