@@ -58,6 +58,8 @@ def sampling_params(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], i
     params: dict[str, Any] = {}
     for key, value in body.items():
         if key in SAMPLING_KEYS:
+            if key in ("max_tokens", "max_completion_tokens") and value == 0 and type(value) is int:
+                raise OpenAIError(f"{key} must be positive", key)  # (SGLang's; /generate takes 0)
             if value is not None:
                 params[SAMPLING_KEYS[key]] = value
         elif key in UNSUPPORTED:

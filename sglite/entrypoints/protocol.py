@@ -25,7 +25,7 @@ class SamplingParamsInput(_Strict):
     """/generate's ``sampling_params`` (sampling/sampling_params.py: SGLang's keys; its
     verify() has every range, sglite's limits on stops are docs/serving.md's)."""
 
-    max_new_tokens: int = Field(128, ge=1)
+    max_new_tokens: int = Field(128, ge=0)
     min_new_tokens: int = Field(0, ge=0)
     stop: Stop = None
     stop_token_ids: list[int] | None = None

@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from sglite.managers.io_struct import BatchTokenIDOut
-from sglite.managers.schedule_batch import FINISH_ABORT, FINISH_MATCHED_STR
+from sglite.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, FINISH_MATCHED_STR
 
 if TYPE_CHECKING:
     from sglite.managers.schedule_batch import Req, ScheduleBatch
@@ -46,10 +46,13 @@ class SchedulerOutputProcessor:
                 req.chunk_index += 1
                 s.observer.on_req_chunked(req, batch.seq_lens[i])
                 continue
-            req.output_ids.append(token_id)
-            if req.logprobs is not None and result.output_logprobs is not None:
-                req.logprobs.add_output(token_id, result.output_logprobs[i])
-                s.observer.on_token_logprobs(req)
+            if req.sampling_params.max_new_tokens == 0:
+                req.finished_reason = FINISH_LENGTH(0)  # SGLang's scoring request: its prompt, no output token
+            else:
+                req.output_ids.append(token_id)
+                if req.logprobs is not None and result.output_logprobs is not None:
+                    req.logprobs.add_output(token_id, result.output_logprobs[i])
+                    s.observer.on_token_logprobs(req)
             if req.first_token_time is None:
                 req.first_token_time = time.perf_counter()
             req.check_finished()

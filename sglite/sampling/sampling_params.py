@@ -127,8 +127,8 @@ class SamplingParams:
         if self.n != 1:
             raise ValueError(f"n must be 1 here (several samples of one prompt: n from 1 to 16 on /generate and the "
                              f"OpenAI routes; in Engine.generate the prompt n times), got {self.n}")
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if self.max_new_tokens < 0:  # 0: SGLang's scoring request (the prompt's logprobs, no output)
+            raise ValueError(f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], "
                              f"got {self.min_new_tokens}")

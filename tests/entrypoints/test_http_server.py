@@ -326,7 +326,8 @@ def test_a_client_that_disconnects_frees_its_kv_at_once(server):
 BAD = [
     ("/generate", b"not json", "the body is not JSON"),
     ("/generate", {"text": "hi", "sampling_params": {"temperature": "hot"}}, "temperature must be"),
-    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens must be"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens must be"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens must be positive"),
     ("/generate", {"text": ""}, "the prompt is empty"),
     ("/generate", {"input_ids": [10 ** 9]}, "outside the vocabulary"),
     ("/generate", {"text": "hi", "bogus": 1}, "unknown field(s): 'bogus'"),

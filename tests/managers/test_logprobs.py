@@ -121,3 +121,16 @@ def test_explain_the_trace_and_the_tui_show_a_request_s_closest_call():
     lines = builder.requests["lp"].logprob_lines(10 ** 9)
     assert lines[0].startswith(f"closest call: output token {i}: {best_id} ({best:.4f}) over {second_id}")
     assert len(lines) == 1 + 6 and lines[-1].startswith(f"  token    5: {out['output_ids'][5]}")
+
+
+def test_max_new_tokens_0_scores_the_prompt():
+    """SGLang's scoring request: max_new_tokens 0 runs the prompt and returns its
+    logprobs, no output token (finish reason length 0); the same bits as a generating run."""
+    with Engine("tiny-random", log_level="error") as engine:
+        args = {"input_ids": [5, 6, 7, 8, 9], "return_logprob": True, "logprob_start_len": 0}
+        scored = engine.generate(**args, sampling_params={"max_new_tokens": 0})
+        ran = engine.generate(**args, sampling_params={"max_new_tokens": 3, "temperature": 0})
+    meta = scored["meta_info"]
+    assert scored["output_ids"] == [] and meta["completion_tokens"] == 0
+    assert meta["finish_reason"] == {"type": "length", "length": 0} and meta["output_token_logprobs"] == []
+    assert meta["input_token_logprobs"] == ran["meta_info"]["input_token_logprobs"]
