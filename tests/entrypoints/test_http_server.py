@@ -222,8 +222,10 @@ def test_logprobs_in_sglang_s_shapes_native_and_openai(server, engine):
     with httpx.stream("POST", f"{server.url}/generate", json=body | {"stream": True}, timeout=60) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert events[-1]["meta_info"]["output_token_logprobs"] == meta["output_token_logprobs"]  # cumulative
-    plain = httpx.post(f"{server.url}/generate", json={"input_ids": ids, "return_logprob": False,
-                                                      "top_logprobs_num": 0, "logprob_start_len": 0}, timeout=60)
+    plain = httpx.post(f"{server.url}/generate", json={"input_ids": ids, "return_logprob": False,  # SGLang's defaults
+                                                      "top_logprobs_num": 0, "logprob_start_len": 0,
+                                                      "return_text_in_logprobs": False,
+                                                      "sampling_params": {"n": 1, "max_new_tokens": 2}}, timeout=60)
     assert plain.status_code == 200 and "input_token_logprobs" not in plain.json()["meta_info"]
 
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
