@@ -285,6 +285,12 @@ def _native_routes(app: FastAPI, manager: ServerTokenizerManager, info: ServerIn
     async def explain(rid: str) -> Response:
         """sglite's own route: a request's history in words (docs/why.md)."""
         out = await manager.control(ExplainReq(rid))
+        if out.error and re.fullmatch(r"(chatcmpl|cmpl)-[0-9a-f]+", rid):
+            # an OpenAI response's id: its choices ran as <id>-<prompt>-<sample>
+            first = await manager.control(ExplainReq(f"{rid}-0-0"))
+            if not first.error:
+                return Response(f"(the OpenAI id {rid}: its first choice ran as {rid}-0-0; the others as "
+                                f"{rid}-<prompt>-<sample>)\n{first.text}\n", media_type="text/plain")
         if out.error:
             return JSONResponse({"error": {"message": out.error}}, status_code=404)
         return Response(out.text + "\n", media_type="text/plain")

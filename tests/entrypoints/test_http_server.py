@@ -414,6 +414,11 @@ def test_explain_tells_a_served_request_s_history(server):
     assert "finished (length), 5 output tokens" in text
     missing = httpx.get(f"{server.url}/explain", params={"rid": "nope"}, timeout=30)
     assert missing.status_code == 404 and "no request 'nope'" in missing.json()["error"]["message"]
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                                 "max_tokens": 3}, timeout=60).json()
+    text = httpx.get(f"{server.url}/explain", params={"rid": chat["id"]}, timeout=30).text  # the id it got back
+    assert text.startswith(f"(the OpenAI id {chat['id']}: its first choice ran as {chat['id']}-0-0")
+    assert "finished (length), 3 output tokens" in text
 
 
 def test_metrics_parse_and_count_what_was_served(server):
