@@ -108,6 +108,7 @@ def _serve(server_args: ServerArgs, serve_args: ServeArgs, port_args: PortArgs, 
 
     model_name = serve_args.served_model_name or server_args.model_path
     labels = _metric_labels(model_name) if serve_args.enable_metrics else None
+    _check_port(serve_args.host, serve_args.port)  # before the model loads, not after
     ready = _launch_subprocesses(server_args, port_args, labels, children, viewer_args)
     metrics = None
     if labels is not None:
@@ -194,6 +195,20 @@ def _http_spans(viewer_args: Any, model_name: str) -> tuple[Any, Callable[[], No
             if got is not None:
                 return got
     return None, lambda: None
+
+
+def _check_port(host: str, port: int) -> None:
+    """ServerStartError, at once, if ``host:port`` cannot be listened on (another server
+    there): not after the model has loaded. (A port taken in between still fails later.)"""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT does not count
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ServerStartError(f"cannot listen on {host}:{port}: {e.strerror or e} (is another server there? "
+                                   "--port picks another)") from None
 
 
 def _uvicorn_server_class() -> type:

@@ -811,3 +811,14 @@ def test_incremental_streaming_output_sends_only_what_is_new():
     finally:
         rc, err = s.stop()
     assert rc == 0, err
+
+
+def test_a_busy_port_is_one_line_before_the_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "sglite.cli", "serve", "--model-path", "tiny-random", "--port",
+                               str(port)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and f"error: cannot listen on 127.0.0.1:{port}" in proc.stderr, proc.stderr
+    assert "loading tiny-random" not in proc.stderr and "Traceback" not in proc.stderr  # nothing loaded first
