@@ -90,11 +90,13 @@ def run_detokenizer_process(tokenizer: "Tokenizer | None", port_args: "PortArgs"
     """The DetokenizerManager as a process (``sglite serve``): token ids from the
     Scheduler in, text to the TokenizerManager out, one message per scheduler iteration."""
     import os
+    import signal
 
     import setproctitle
     import zmq
 
     setproctitle.setproctitle("sglite::detokenizer")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the server stops this process (it exits with its parent)
     ctx = zmq.Context()
     recv = ctx.socket(zmq.PULL)
     recv.bind(port_args.detokenizer_ipc_name)

@@ -39,6 +39,9 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Co
     from sglite.managers.scheduler import Scheduler
 
     setproctitle.setproctitle("sglite::scheduler_TP0")  # (ps, top, py-spy show which process is which)
+    # Ctrl-C reaches every process of the terminal's group: the server stops this one
+    # (SIGTERM), which must not die mid-iteration with a KeyboardInterrupt traceback first
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup_logging(server_args.log_level)
     parent = os.getppid()
     try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import socket
 import sys
 import threading
@@ -196,6 +197,7 @@ def run_tp_follower_process(server_args: ServerArgs, tp_rank: int) -> None:
     from sglite.engine import setup_logging
 
     setproctitle.setproctitle(f"sglite::tp_worker_TP{tp_rank}")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: rank 0 stops this rank, or it exits with its parent
     setup_logging(server_args.log_level)
     exit_with_parent(os.getppid())
     try:

@@ -822,3 +822,32 @@ def test_a_busy_port_is_one_line_before_the_model_loads():
                                str(port)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and f"error: cannot listen on 127.0.0.1:{port}" in proc.stderr, proc.stderr
     assert "loading tiny-random" not in proc.stderr and "Traceback" not in proc.stderr  # nothing loaded first
+
+
+def test_ctrl_c_stops_the_server_without_a_traceback():
+    """Ctrl-C in a terminal signals the whole process group: every process of the
+    server gets SIGINT; the server stops them all and exits 0, with no traceback, also
+    with a stream in flight."""
+    log = tempfile.TemporaryFile(mode="w+")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "sglite.cli", "serve", "--model-path", "tiny-random", "--port",
+                             str(port), "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    body = {"text": "Hi", "stream": True, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)
+        os.killpg(proc.pid, signal.SIGINT)
+        list(lines)
+    proc.wait(timeout=60)
+    log.seek(0)
+    out = log.read()
+    assert proc.returncode == 0 and "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
