@@ -37,8 +37,8 @@ PANELS = [
     ("  wait", "iterations since it arrived (or was retracted)", ""),
     ("  why", "the budget that left it waiting at the last admission round: pool (KV pool), prefill "
               "(max_prefill_tokens), chunk (chunked_prefill_size), max run (max_running_requests), order (an "
-              "earlier request stopped admission), prefix (a request sharing its prefix goes first); the "
-              "request's detail has the numbers (docs/why.md)",
+              "earlier request stopped admission), prefix (a request sharing its prefix goes first), trial (a "
+              "failed round's requests re-run one at a time); the request's detail has the numbers (docs/why.md)",
      "PrefillAdder rem_total_tokens / rem_input_tokens / rem_chunk_tokens, max_running_requests; ReqHeld"),
     ("running_batch", "requests admitted and decoding (a chunked request shows here too)", "Scheduler.running_batch"),
     ("  seq", "tokens in the sequence: prompt + output; counts the token sampled this round, "
@@ -70,7 +70,8 @@ PANELS = [
      "Scheduler.new_token_ratio"),
     ("  admit: ...", "why admission stopped this round: queue empty (EMPTY_QUEUE), KV pool full (NO_TOKEN), "
                      "prefill budget spent (OTHER: max_prefill_tokens or the chunk), max running reqs "
-                     "(MAX_RUNNING_REQUESTS), waits on a shared prefix (IN_BATCH_PREFIX_WAIT)",
+                     "(MAX_RUNNING_REQUESTS), waits on a shared prefix (IN_BATCH_PREFIX_WAIT), a failed round's "
+                     "requests re-run one at a time (FAILED_ROUND_TRIAL)",
      "PrefillAdder, AddReqResult"),
     ("  miss: ...", "prompt tokens computed so far, by why the radix cache did not serve them: new (nothing "
                     "cached starts like it), past (beyond the part the cache shares), evicted (LRU took them), "

@@ -22,7 +22,7 @@ def run(n: Narrator) -> None:
           这里已有一条请求在 Decode，且打开了 mixed chunk，它的 Decode 行先从预算中扣除（mixed_with_decode_tokens）：
           每块只得 {CHUNK - 1} 行，40 个 Token 的 prompt 分三轮：15、15、10 行。两轮之间它是 Scheduler.chunked_req：已算的部分
           进入缓存（cache_unfinished_req），下一块从那里继续。打开 --enable-mixed-chunk 后，正在 Decode 的请求
-          以 1-token extend 的形式加入每一轮，不会被饿死（004 §5.1）。""")
+          以 1-token extend 的形式加入每一轮，不会被饿死（§B5.1）。""")
     engine = Engine("tiny-random", max_total_tokens=512, chunked_prefill_size=CHUNK, enable_mixed_chunk=True,
                     disable_overlap_schedule=True)
     sched = engine.scheduler

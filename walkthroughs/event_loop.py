@@ -58,7 +58,7 @@ def run(n: Narrator) -> None:
     n.say("""Iteration 3 shows the rule of docs/seeds.md §B5: a new prefill wins over decoding the running
           requests, which wait one round. Then all three decode together; when everything has
           finished the loop is idle and checks that no KV slot leaked.""",
-          """第 3 轮体现了 004 §5 的规则：新的 Prefill 优先，正在 Decode 的请求等一轮；之后三条一起 Decode；
+          """第 3 轮体现了 §B5 的规则：新的 Prefill 优先，正在 Decode 的请求等一轮；之后三条一起 Decode；
           全部结束后循环空闲，并检查没有 KV 槽位泄漏。""")
 
 

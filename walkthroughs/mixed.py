@@ -18,7 +18,7 @@ def run(n: Narrator) -> None:
           """Continuous batching 让每轮的请求集合都可以变化，但 Prefill 与正在进行的 Decode 只有在打开
           --enable-mixed-chunk 时才共用一次 forward：此时 get_new_batch_prefill 先调用
           running_batch.prepare_for_decode()，再调用 new_batch.mix_with_running(running_batch)，把每条运行中请求
-          作为 1-token extend 追加（extend_lens += [1] * bs），并设 ForwardMode.MIXED（000 §4）。""")
+          作为 1-token extend 追加（extend_lens += [1] * bs），并设 ForwardMode.MIXED（§A4）。""")
     outputs = {}
     for mixed in (True, False):
         engine = Engine("tiny-random", max_total_tokens=512, enable_mixed_chunk=mixed,

@@ -136,6 +136,6 @@ WALKTHROUGH = Walkthrough(
     "overlap",
     "event_loop_overlap vs event_loop_normal: future ids, the one-round lag, both timelines",
     "event_loop_overlap 与 event_loop_normal：future id、一轮延迟、两条时间线",
-    "004 §6",
+    "docs/seeds.md §B6",
     run,
 )
