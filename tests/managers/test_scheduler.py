@@ -125,7 +125,7 @@ def test_bad_requests_get_errors_and_others_still_run():
     good = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
     cases = [
         ("", good, "empty"),
-        ("hi", {"max_new_tokens": 0}, "max_new_tokens"),
+        ("hi", {"max_new_tokens": -1}, "max_new_tokens"),
         ("hi", {"max_new_tokens": 5, "temperature": -1}, "temperature"),
         ("hi", {"max_new_tokens": 5, "top_p": 0}, "top_p"),
         ("hi", {"max_new_tokens": 5, "top_p": 1.5}, "top_p"),
