@@ -242,6 +242,7 @@ def _token_routes(app: FastAPI, manager: ServerTokenizerManager) -> None:
 
 
 def _known(body: dict[str, Any], fields: set[str]) -> None:
+    """RequestError naming the body's fields outside ``fields``."""
     unknown = set(body) - fields
     if unknown:
         raise RequestError(f"unknown field(s): {', '.join(sorted(map(repr, unknown)))}")
@@ -321,9 +322,7 @@ async def _generate(request: Request, manager: ServerTokenizerManager, trace_par
     "extra_key" | "cache_salt"}; a list of texts (or of token-id lists) is a batch: one
     result each, in order (streamed: each event carries its request's "index")."""
     body = await _json(request)
-    unknown = set(body) - GENERATE_FIELDS
-    if unknown:
-        raise RequestError(f"unknown field(s): {', '.join(sorted(map(repr, unknown)))}")
+    _known(body, GENERATE_FIELDS)
     stream = _flag(body, "stream")
     batch = _is_batch(body)
     specs = _batch_items(body, batch, stream, oai.extra_key_of(body))

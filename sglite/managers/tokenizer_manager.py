@@ -247,6 +247,7 @@ class LogprobOutput:
     params: LogprobParams
     tokenizer: "Tokenizer | None" = None  # for the texts
     collected: dict[str, list[Any]] = field(default_factory=lambda: {k: [] for k in LOGPROB_KEYS})
+    _texts: dict[int, str] = field(default_factory=dict, repr=False)  # token id -> text (_texter)
 
     def add(self, delta: dict[str, list[Any]] | None) -> None:
         for key, entries in (delta or {}).items():
@@ -267,10 +268,19 @@ class LogprobOutput:
         return out
 
     def _texter(self) -> Any:
+        """token id -> its text, each id decoded once: a stream rebuilds its cumulative
+        meta_info every event, on the server's event loop."""
         tokenizer = self.tokenizer
         if not self.params.return_text_in_logprobs or tokenizer is None:
             return lambda token_id: None
-        return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+        texts = self._texts
+
+        def text(token_id: int) -> str:
+            if token_id not in texts:
+                texts[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
+            return texts[token_id]
+
+        return text
 
 
 @dataclass

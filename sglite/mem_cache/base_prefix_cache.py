@@ -69,9 +69,7 @@ class BasePrefixCache(ABC):
         chunks computed so far (``kv_committed_len``: its output alone said more, and
         freeing that many slots freed other requests' pages)."""
         if req.output_ids:
-            computed = len(req.origin_input_ids) + len(req.output_ids) - 1
-            # (kv_committed_len is 0 only for a caller that does not track it: the tests' fakes)
-            return min(computed, req.kv_committed_len) if req.kv_committed_len else computed
+            return min(len(req.origin_input_ids) + len(req.output_ids) - 1, req.kv_committed_len)
         return len(req.prefix_indices)
 
     @classmethod

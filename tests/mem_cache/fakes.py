@@ -17,5 +17,5 @@ class FakeReq:
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: Any = None
     req_pool_idx: int | None = None
-    kv_committed_len: int = 0  # 0: only what _kv_len counts holds a slot
+    kv_committed_len: int = 0  # positions with a slot in its req_to_token row (the tests' helpers keep it, as Req)
     extra_key: str | None = None  # its cache key (None: the shared, unkeyed tree)

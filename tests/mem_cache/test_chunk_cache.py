@@ -22,6 +22,7 @@ def extend(req_pool, alloc, req: FakeReq, end: int) -> None:
     start = len(req.prefix_indices)
     last = int(req_pool.req_to_token[req.req_pool_idx, start - 1]) if start else -1
     req_pool.write(req.req_pool_idx, start, alloc.alloc_extend([start], [end], [last]))
+    req.kv_committed_len = end
     req.fill_ids = req.origin_input_ids[:end]
 
 
@@ -56,6 +57,7 @@ def test_chunked_then_finished_frees_everything(ps, is_insert):
     seq_len = 10
     last = int(req_pool.req_to_token[req.req_pool_idx, seq_len - 2])
     req_pool.write(req.req_pool_idx, seq_len - 1, alloc.alloc_decode([seq_len], [last]))
+    req.kv_committed_len = seq_len
     req.output_ids.append(8)  # KV for 10 positions; the token 8 has none
     cache.cache_finished_req(req, is_insert=is_insert)
     assert req.req_pool_idx is None

@@ -291,11 +291,13 @@ def run_prefill(cache, req_pool, alloc, req: FakeReq, upto: int | None = None) -
         req.prefix_indices, req.last_node = res.device_indices, res.last_device_node
         cache.inc_lock_ref(req.last_node)
         req_pool.write(req.req_pool_idx, 0, req.prefix_indices)
+        req.kv_committed_len = len(req.prefix_indices)
     start = len(req.prefix_indices)
     end = len(req.origin_input_ids) if upto is None else upto
     last = int(req_pool.req_to_token[req.req_pool_idx, start - 1]) if start else -1
     out = alloc.alloc_extend([start], [end], [last])
     req_pool.write(req.req_pool_idx, start, out)
+    req.kv_committed_len = end
     req.fill_ids = req.origin_input_ids[:end]
 
 
@@ -304,6 +306,7 @@ def run_decode(req_pool, alloc, req: FakeReq, token: int) -> None:
     last = int(req_pool.req_to_token[req.req_pool_idx, seq_len - 2])
     out = alloc.alloc_decode([seq_len], [last])
     req_pool.write(req.req_pool_idx, seq_len - 1, out)
+    req.kv_committed_len = seq_len
     req.output_ids.append(token)
 
 
@@ -569,6 +572,7 @@ class RequestMachine(RuleBasedStateMachine):
         req.prefix_indices, req.last_node = res.device_indices, res.last_device_node
         self.cache.inc_lock_ref(req.last_node)
         self.req_pool.write(req.req_pool_idx, 0, req.prefix_indices)
+        req.kv_committed_len = len(req.prefix_indices)
         self.live.append(SimReq(req, kv_len=len(req.prefix_indices)))
 
     def _pick(self, i: int, decoding: bool) -> SimReq | None:
@@ -589,7 +593,7 @@ class RequestMachine(RuleBasedStateMachine):
             return
         assert len(out) == end - start
         self.req_pool.write(idx, start, out)
-        s.kv_len = end
+        s.kv_len = req.kv_committed_len = end
         if end < len(req.origin_input_ids):
             req.fill_ids = req.origin_input_ids[:end]
             self.cache.cache_unfinished_req(req)
@@ -612,7 +616,7 @@ class RequestMachine(RuleBasedStateMachine):
             return
         self.req_pool.write(idx, seq_len - 1, out)
         req.output_ids.append(token)
-        s.kv_len = seq_len
+        s.kv_len = req.kv_committed_len = seq_len
 
     @rule(i=st.integers(0, 100), insert=st.booleans())
     def finish(self, i: int, insert: bool) -> None:
@@ -826,6 +830,7 @@ class KeyedRequestMachine(RequestMachine):
         req.prefix_indices, req.last_node = res.device_indices, res.last_device_node
         self.cache.inc_lock_ref(req.last_node)
         self.req_pool.write(req.req_pool_idx, 0, req.prefix_indices)
+        req.kv_committed_len = len(req.prefix_indices)
         self.live.append(SimReq(req, kv_len=len(req.prefix_indices)))
 
     @invariant()
