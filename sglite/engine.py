@@ -82,7 +82,8 @@ class Engine:
         self.tokenizer = self.scheduler.tokenizer
         s = self.scheduler
         self.tokenizer_manager = TokenizerManager(self.tokenizer, s.model_config.vocab_size, s.max_req_input_len,
-                                                  s.tp_worker.model_runner.context_len, s.max_total_num_tokens)
+                                                  s.tp_worker.model_runner.context_len, s.max_total_num_tokens,
+                                                  self.server_args.grammar_backend)
         # in-process here; its own process under `sglite serve`
         self.detokenizer = DetokenizerManager(self.tokenizer, self.event_bus)
         self.scheduler.send_to_detokenizer = self._detokenize

@@ -251,6 +251,38 @@ class TokenLogprobs(Event):
 
 
 @dataclass(frozen=True)
+class GrammarQueued(Event):
+    """A request's grammar (json_schema, regex, ebnf, structural_tag) is not compiled
+    yet: it waits in the grammar_queue while a pool thread compiles it."""
+
+    rid: str = ""
+    kind: str = ""  # SGLang's dispatch type: json, regex, ebnf, structural_tag
+
+
+@dataclass(frozen=True)
+class GrammarReady(Event):
+    """A queued request's grammar compiled: it moves to the waiting_queue
+    (move_ready_grammar_requests)."""
+
+    rid: str = ""
+    kind: str = ""
+    waited_iterations: int = 0  # scheduler iterations it spent in the grammar_queue
+    waited_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class GrammarMasked(Event):
+    """One output token of a request with a grammar: what the vocabulary mask did."""
+
+    rid: str = ""
+    index: int = 0  # the token's place in the output
+    allowed: int = 0  # tokens the grammar allowed at this step
+    preferred: int = 0  # the model's own choice: argmax of the logits before the mask
+    refused: bool = False  # the mask refused it
+    token_id: int = 0  # the token sampled (after the mask)
+
+
+@dataclass(frozen=True)
 class TokensEmitted(Event):
     rid: str = ""
     token_ids: tuple[int, ...] = ()

@@ -68,6 +68,12 @@ class ServerArgs:
     skip_tokenizer_init: bool = _opt(
         False, "load no tokenizer: requests give input_ids and get output_ids (text stays empty; prompts, chat "
                "messages and stop strings are refused), as SGLang's flag")
+    grammar_backend: str = _opt(
+        "xgrammar", "compiles json_schema / regex / ebnf / structural_tag requests (docs/structured_output.md); none "
+        "refuses them with a 400", choices=("xgrammar", "none"))
+    constrained_json_disable_any_whitespace: bool = _opt(
+        False, "a json_schema output has no whitespace between its tokens but what the schema's own layout needs "
+               "(default: any, as SGLang's)")
     waiting_timeout: float | None = _opt(None, "abort a request that waits longer than this many seconds")
     running_timeout: float | None = _opt(None, "abort a request that runs longer than this many seconds")
     # kernels
@@ -103,8 +109,8 @@ class ServerArgs:
 
     def _apply_env_knobs(self) -> None:
         """SGLang's environment variables for the timeouts (seconds; 0 or less: off),
-        where the flags leave them unset; and a check of SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION,
-        which admission reads (schedule_policy)."""
+        where the flags leave them unset; and a check of the knobs read elsewhere:
+        SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION (schedule_policy) and the grammar queue's."""
         for name, var in (("waiting_timeout", "SGLANG_REQ_WAITING_TIMEOUT"),
                           ("running_timeout", "SGLANG_REQ_RUNNING_TIMEOUT")):
             seconds = env_knob(var, -1.0, float)
@@ -112,6 +118,11 @@ class ServerArgs:
                 setattr(self, name, seconds)
         if env_knob("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION", 4096, int) <= 0:
             raise ValueError("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION must be a positive integer")
+        # the grammar queue's (constrained/grammar_manager.py reads them)
+        if env_knob("SGLANG_GRAMMAR_MAX_POLL_ITERATIONS", 1, int) <= 0:
+            raise ValueError("SGLANG_GRAMMAR_MAX_POLL_ITERATIONS must be a positive integer")
+        if not env_knob("SGLANG_GRAMMAR_POLL_INTERVAL", 0.005, float) > 0:
+            raise ValueError("SGLANG_GRAMMAR_POLL_INTERVAL must be a positive number of seconds")
 
     def __post_init__(self) -> None:
         self._apply_env_knobs()

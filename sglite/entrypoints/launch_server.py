@@ -116,7 +116,7 @@ def _serve(server_args: ServerArgs, serve_args: ServeArgs, port_args: PortArgs, 
 
         metrics = TokenizerMetricsCollector(tokenizer_labels(labels))
     gate = TokenizerManager(ready["tokenizer"], ready["vocab_size"], ready["max_req_input_len"],
-                            ready["context_len"], ready["max_total_num_tokens"])
+                            ready["context_len"], ready["max_total_num_tokens"], server_args.grammar_backend)
     manager = ServerTokenizerManager(gate, port_args, metrics)
     http_spans, close_tracer = _http_spans(viewer_args, model_name)
     info = ServerInfo(server_args, model_name, ready["max_total_num_tokens"], ready["max_req_input_len"],

@@ -10,11 +10,13 @@ round's plan. sglite simplification: the per-round arrays (``input_ids``,
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sglite.constrained.base_grammar_backend import BaseGrammarObject
 from sglite.layers.logits_processor import Candidates, LogprobMetadata, PositionLogprobs
 from sglite.mem_cache.memory_pool import num_pages
 from sglite.model_executor.forward_batch_info import ForwardMode
@@ -162,19 +164,10 @@ def _pairs(c: Candidates) -> list[tuple[float, int]]:
 class Req:
     """One request, from arrival to finish."""
 
-    def __init__(
-        self,
-        rid: str,
-        origin_input_text: str | None,
-        origin_input_ids: list[int],
-        sampling_params: SamplingParams,
-        eos_token_ids: set[int] | None = None,
-        seed: int = 0,
-        stream: bool = False,
-        tokenizer: "Tokenizer | None" = None,
-        extra_key: str | None = None,
-        logprobs: ReqLogprobs | None = None,
-    ):
+    def __init__(self, rid: str, origin_input_text: str | None, origin_input_ids: list[int],
+                 sampling_params: SamplingParams, eos_token_ids: set[int] | None = None, seed: int = 0,
+                 stream: bool = False, tokenizer: "Tokenizer | None" = None, extra_key: str | None = None,
+                 logprobs: ReqLogprobs | None = None):
         self.rid = rid
         self.origin_input_text = origin_input_text
         self.origin_input_ids = origin_input_ids
@@ -187,6 +180,12 @@ class Req:
         self.tokenizer = tokenizer  # decodes the output's tail to check stop strings
         self.extra_key = extra_key  # (cache_salt) prefixes are shared only within one key; None: the plain tree
         self.logprobs = logprobs  # None: return_logprob was not asked for
+        # constrained output: its grammar state (a Future while it compiles in the
+        # grammar_queue; then its own matcher, which has accepted exactly output_ids)
+        self.grammar: BaseGrammarObject | Future | None = None
+        self.grammar_key: tuple[str, str] | None = None
+        self.grammar_wait_ct = 0  # grammar_queue polls that found its compile not done
+        self.grammar_queued_iteration = 0  # the scheduler iteration it entered the grammar_queue
         # the random draw for output token n depends only on (sampling_seed, n): a seeded
         # request samples the same tokens however it is batched, chunked or retracted
         self.sampling_seed = sampling_params.seed if sampling_params.seed is not None else seed
@@ -257,6 +256,8 @@ class Req:
         self.kv_committed_len = 0
         self.already_computed = 0
         self.future_token_id = None  # overlap: the in-flight token is dropped, recomputed later
+        if isinstance(self.grammar, BaseGrammarObject):
+            self.grammar.rollback_to(len(self.output_ids))  # the grammar keeps what output_ids keeps
         self.is_retracted = True
         self.retraction_count += 1
         self.wait_queue_entry_time = time.perf_counter()
@@ -279,6 +280,8 @@ class Req:
             ):
                 self.finished_reason = FINISH_MATCHED_TOKEN(last)
                 return
+            if isinstance(self.grammar, BaseGrammarObject) and self.grammar.is_terminated():
+                self.finished_reason = FINISH_MATCHED_TOKEN(last)  # its stop token, even with ignore_eos
 
     def check_stop_str(self) -> None:
         """Finish when the output's text now contains a stop string. Only the tail is

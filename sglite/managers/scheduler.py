@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections import deque
 from typing import Callable, Iterator
 
 from sglite import events as ev
+from sglite.constrained.grammar_manager import GrammarManager, create_grammar_backend
 from sglite.distributed.parallel_state import TpRankDiedError
 from sglite.managers.io_struct import (HEALTH_CHECK_RID_PREFIX, AbortReq, BatchTokenIDOut, ExplainReq,
                                       ExplainReqOutput, FlushCacheReqInput, FlushCacheReqOutput, GetInternalStateReq,
                                       GetInternalStateReqOutput, TokenizedGenerateReqInput)
+from sglite.constrained.base_grammar_backend import BaseGrammarObject
 from sglite.managers.schedule_batch import FINISH_ABORT, Req, ReqLogprobs, ScheduleBatch
 from sglite.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy, holds_of_round
 from sglite.managers.scheduler_observer import SchedulerObserver
@@ -77,6 +80,9 @@ class Scheduler:
         self.last_batch: ScheduleBatch | None = None
         self.cur_batch: ScheduleBatch | None = None
         self.chunked_req: Req | None = None
+        # requests whose grammar compiles in the background (constrained/grammar_manager.py)
+        self.grammar_manager = GrammarManager(create_grammar_backend(
+            server_args, self.tokenizer, self.model_config.vocab_size, self.eos_token_ids))
         self.result_queue: deque[tuple[ScheduleBatch, GenerationBatchResult]] = deque()  # overlap only
 
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * server_args.schedule_conservativeness, 1.0)
@@ -102,9 +108,10 @@ class Scheduler:
                                       self.tree_cache, self.model_config.vocab_size, self.device, chunked_req)
 
     def live_reqs(self) -> list[Req]:
-        """Every request that is not finished: waiting, chunked, running or just prefilled."""
+        """Every request that is not finished: compiling its grammar, waiting, chunked,
+        running or just prefilled."""
         seen: dict[int, Req] = {}
-        groups = [self.waiting_queue, [self.chunked_req] if self.chunked_req else [], self.running_batch.reqs]
+        groups = [self.grammar_manager.grammar_queue, self.waiting_queue, [self.chunked_req] if self.chunked_req else [], self.running_batch.reqs]
         if self.last_batch is not None and self.last_batch.forward_mode.is_extend():
             groups.append(self.last_batch.reqs)
         for group in groups:
@@ -116,7 +123,7 @@ class Scheduler:
     def running_reqs(self) -> list[Req]:
         """Requests past admission and not finished (the running batch, plus a batch
         just prefilled that merges into it next round)."""
-        waiting = set(map(id, self.waiting_queue))
+        waiting = set(map(id, self.waiting_queue + self.grammar_manager.grammar_queue))
         return [r for r in self.live_reqs() if id(r) not in waiting and r is not self.chunked_req]
 
     def has_work(self) -> bool:
@@ -165,10 +172,13 @@ class Scheduler:
             if batch is not None:
                 result = self.run_batch(batch)
                 self.result_queue.append((batch.copy(), result))
-            if self.last_batch is not None:
-                self.process_batch_result(*self.result_queue.popleft())
-            elif batch is None:
-                self.self_check_during_idle()
+            try:
+                if self.last_batch is not None:
+                    self.process_batch_result(*self.result_queue.popleft())
+                elif batch is None:
+                    self.self_check_during_idle()
+            finally:
+                self.set_next_batch_sampling_info_done(batch)
             self.last_batch = batch
             self._end_iteration(batch)
             yield
@@ -215,6 +225,7 @@ class Scheduler:
         if self.live_reqs():
             return FlushCacheReqOutput(False, "cannot flush the cache while requests run")
         self.finish_round_in_flight()
+        self.grammar_manager.reset()
         self.tree_cache.reset()
         self.req_to_token_pool.clear()
         self.token_to_kv_pool_allocator.clear()
@@ -244,8 +255,14 @@ class Scheduler:
                   tokenizer=self.tokenizer, extra_key=recv_req.extra_key, logprobs=req_logprobs(recv_req))
         req.trace_parent = recv_req.trace_parent
         self.num_reqs_received += 1
-        self.waiting_queue.append(req)
         self.observer.on_req_arrived(req, temperature)
+        grammar = self.grammar_manager.process_req_with_grammar(req)
+        if grammar == "queued":
+            self.observer.on_grammar_queued(req)
+        elif grammar not in (None, "cached"):
+            self.abort_now(req, grammar, is_error=True, status_code=400)  # (SGLang's 400: the request's grammar)
+        else:
+            self.waiting_queue.append(req)
 
     def abort_request(self, abort: AbortReq) -> None:
         for req in self.live_reqs():
@@ -262,6 +279,10 @@ class Scheduler:
         req.finished_reason = FINISH_ABORT(message, is_error=is_error, status_code=status_code)
         if req in self.waiting_queue:
             self.waiting_queue.remove(req)
+        self.grammar_manager.remove(req)
+        if isinstance(req.grammar, BaseGrammarObject):
+            req.grammar.finished = True  # a round already planned leaves its row unmasked
+        req.grammar = None
         if req is self.chunked_req:
             self.chunked_req = None
             if req.req_pool_idx is not None:
@@ -325,6 +346,8 @@ class Scheduler:
         """Admit waiting requests (the chunked one first) under PrefillAdder's budgets."""
         self.running_batch.filter_batch()
         running_bs = self.running_batch.batch_size()
+        if self.grammar_manager.has_waiting_grammars():
+            self.move_ready_grammar_requests(block=running_bs == 0 and not self.waiting_queue and not self.chunked_req)
         if not self.waiting_queue and self.chunked_req is None:
             self.observer.on_admission_stopped("EMPTY_QUEUE")
             return None
@@ -396,6 +419,18 @@ class Scheduler:
                 return result.name, (None if admitted else req)
         return "", None
 
+    def move_ready_grammar_requests(self, block: bool) -> None:
+        """Requests whose grammar compiled join the waiting_queue; those whose compile
+        failed or timed out finish with its error (SGLang's 400). ``block``: nothing
+        else can run this round, so wait a poll interval for a compile."""
+        ready, failed = self.grammar_manager.get_ready_grammar_requests(block)
+        for req in ready:
+            req.wait_queue_entry_time = time.perf_counter()
+            self.waiting_queue.append(req)
+            self.observer.on_grammar_ready(req)
+        for req, error in failed:
+            self.abort_now(req, error, is_error=True, status_code=400)
+
     def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch:
         """The decode round: retract requests when the pool cannot hold one more token
         each, else relax the new-token reservation ratio."""
@@ -421,6 +456,10 @@ class Scheduler:
         overlap worker at once, with a future id per request for the token it will
         sample (the next round's decode input until process_batch_result resolves it)."""
         self.forward_ct += 1
+        if self.enable_overlap and batch.sampling_info is not None and batch.sampling_info.grammars is not None:
+            # its masks need the tokens of the round in flight: filled after that round is
+            # processed (set_next_batch_sampling_info_done); the forward runs meanwhile
+            batch.sampling_info.sampling_info_done = threading.Event()
         worker_batch = batch.get_model_worker_batch(self.forward_ct, self.iteration)
         self.observer.on_batch_planned(batch, worker_batch)
         self.req_to_token_pool.forward_launched = self.forward_ct
@@ -437,6 +476,18 @@ class Scheduler:
         """docs/seeds.md §B7: each request's new token, its finish check, its stream
         (SchedulerOutputProcessor: SGLang's scheduler_output_processor_mixin.py)."""
         self.output_processor.process_batch_result(batch, result)
+
+    def set_next_batch_sampling_info_done(self, batch: ScheduleBatch | None) -> None:
+        """The overlap loop, after the last round's tokens are accepted by their grammars:
+        fill the mask of the round just launched and let its sampling go on (SGLang:
+        next_batch_sampling_info). Set even if filling fails: a forward never waits forever."""
+        info = batch.sampling_info if batch is not None else None
+        if info is None or info.sampling_info_done is None:
+            return
+        try:
+            info.update_regex_vocab_mask()
+        finally:
+            info.sampling_info_done.set()
 
     # --- 5. idle ----------------------------------------------------------------------
 
@@ -466,6 +517,7 @@ class Scheduler:
     def shutdown(self) -> None:
         """Finish the round in flight (overlap) and stop the forward worker."""
         self.finish_round_in_flight()
+        self.grammar_manager.shutdown()
         self.tp_worker.shutdown()
 
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from sglite.managers.schedule_policy import Hold, PrefillAdder
     from sglite.managers.scheduler import Scheduler
     from sglite.managers.tp_worker import GenerationBatchResult
+    from sglite.sampling.sampling_batch_info import GrammarStep
 
 logger = logging.getLogger("sglite")
 KEY_TEXT_MEMO = 10_000  # decoded radix-node heads kept (then the memo starts again)
@@ -117,6 +118,21 @@ class SchedulerObserver:
         top = tuple((t, v) for v, t in lp.output_top_logprobs[-1])
         self.event_bus.emit(ev.TokenLogprobs, rid=req.rid, index=len(lp.output_token_logprobs) - 1, token_id=token,
                             logprob=value, top=top)
+
+    def on_grammar_queued(self, req: "Req") -> None:
+        req.grammar_queued_iteration = self.scheduler.iteration
+        self.event_bus.emit(ev.GrammarQueued, rid=req.rid, kind=req.grammar_key[0] if req.grammar_key else "")
+
+    def on_grammar_ready(self, req: "Req") -> None:
+        waited = self.scheduler.iteration - req.grammar_queued_iteration
+        self.event_bus.emit(ev.GrammarReady, rid=req.rid, kind=req.grammar_key[0] if req.grammar_key else "",
+                            waited_iterations=waited, waited_s=time.perf_counter() - req.created_time)
+
+    def on_grammar_step(self, req: "Req", step: "GrammarStep", token_id: int) -> None:
+        """What the mask did to the request's newest token (a request with a grammar)."""
+        if self.event_bus.active:
+            self.event_bus.emit(ev.GrammarMasked, rid=req.rid, index=len(req.output_ids) - 1, allowed=step.allowed,
+                                preferred=step.preferred, refused=step.refused, token_id=token_id)
 
     # --- scheduling -------------------------------------------------------------------
 

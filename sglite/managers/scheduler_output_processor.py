@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from sglite.constrained.base_grammar_backend import BaseGrammarObject
 from sglite.managers.io_struct import BatchTokenIDOut
 from sglite.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, FINISH_MATCHED_STR
 
@@ -55,8 +56,14 @@ class SchedulerOutputProcessor:
                     s.observer.on_token_logprobs(req)
             if req.first_token_time is None:
                 req.first_token_time = time.perf_counter()
+            if isinstance(req.grammar, BaseGrammarObject) and req.output_ids:
+                self.accept_grammar_token(req, result, i)
+                if req.finished():
+                    continue
             req.check_finished()
             req.check_stop_str()
+            if isinstance(req.grammar, BaseGrammarObject):
+                req.grammar.finished = req.finished()
             if req.finished():
                 req.completion_time = time.perf_counter()
                 s.tree_cache.cache_finished_req(req)
@@ -64,6 +71,22 @@ class SchedulerOutputProcessor:
             unsent = len(req.output_ids) - req.send_token_offset
             if req.finished() or req.send_token_offset == 0 or unsent >= s.server_args.stream_interval:
                 self.stream_output(req)
+
+    def accept_grammar_token(self, req: "Req", result: "GenerationBatchResult", i: int) -> None:
+        """Advance the request's grammar by its new token (the mask allowed it, so a
+        refusal is the engine's fault: that request fails alone, with SGLang's words)."""
+        s = self.scheduler
+        token_id = req.output_ids[-1]
+        assert isinstance(req.grammar, BaseGrammarObject)
+        try:
+            req.grammar.accept_token(token_id)
+        except ValueError as e:
+            s.abort_now(req, f"Grammar accept_token failed for req {req.rid} with token {token_id}: {e}",
+                        is_error=True, status_code=500)
+            return
+        step = result.grammar_stats[i] if result.grammar_stats is not None else None
+        if step is not None:
+            s.observer.on_grammar_step(req, step, token_id)
 
     def stream_output(self, req: "Req") -> None:
         """Send the request's new tokens to the detokenizer (and, once finished, what it

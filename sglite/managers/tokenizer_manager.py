@@ -12,6 +12,7 @@ offline Engine calls it in-process.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import jinja2
 
+from sglite.constrained.base_grammar_backend import grammar_key
+from sglite.constrained.grammar_manager import BACKEND_NONE_ERROR
 from sglite.managers.io_struct import AbortReq, BatchStrOut, LogprobParams, TokenizedGenerateReqInput
 from sglite.sampling.sampling_params import UNLIMITED_NEW_TOKENS, SamplingParams, check_utf8, short_repr
 
@@ -39,6 +42,7 @@ class TokenizerManager:
     max_req_input_len: int  # longest prompt that leaves room for output
     context_len: int
     max_total_num_tokens: int
+    grammar_backend: str = "xgrammar"  # --grammar-backend: none refuses grammar requests
 
     def tokenize(self, rid: str, prompt: Any = None, input_ids: Any = None, messages: Any = None,
                  sampling_params: Any = None, stream: bool = False, extra_key: str | None = None,
@@ -54,6 +58,7 @@ class TokenizerManager:
                 raise RequestError(f"stop={params.stop!r} is unavailable when skip_tokenizer_init=True (requires "
                                    "tokenizer to decode tokens to text for matching); use stop_token_ids")
             check_extra_key(extra_key)
+            self._check_grammar(params)
             if logprob is not None:
                 logprob.check(self.vocab_size)
             text, ids = self._prompt(prompt, input_ids, messages, continue_final_message)
@@ -66,6 +71,20 @@ class TokenizerManager:
             return TokenizedGenerateReqInput(rid, None, [], SamplingParams(), stream, error=_one_line(e))
         return TokenizedGenerateReqInput(rid, text, ids, params, stream, extra_key=extra_key,
                                          logprob=logprob if logprob is not None and logprob.return_logprob else None)
+
+    def _check_grammar(self, params: SamplingParams) -> None:
+        """A json_schema, regex, ebnf or structural_tag parses (without the vocabulary:
+        the scheduler compiles it against that in the background), and this server
+        compiles grammars at all."""
+        key = grammar_key(params)
+        if key is None:
+            return
+        if self.grammar_backend == "none":
+            raise RequestError(BACKEND_NONE_ERROR)
+        if self.tokenizer is None:
+            raise RequestError("json_schema, regex, ebnf and structural_tag need the tokenizer's vocabulary: they "
+                               "are unavailable with --skip-tokenizer-init")
+        check_grammar_key(key)
 
     def _prompt(self, prompt: Any, input_ids: Any, messages: Any,
                 continue_final: bool = False) -> tuple[str | None, list[int]]:
@@ -156,6 +175,15 @@ class TokenizerManager:
 
 
 MAX_EXTRA_KEY_LEN = 256  # characters of a cache_salt / extra_key
+
+
+@functools.lru_cache(maxsize=256)
+def check_grammar_key(key: tuple[str, str]) -> None:
+    """ValueError naming the parameter when the grammar does not parse (a key that
+    parsed is remembered: the same schema on every request is checked once)."""
+    from sglite.constrained.xgrammar_backend import build_grammar
+
+    build_grammar(key)
 
 
 def check_extra_key(key: Any) -> None:

@@ -32,6 +32,7 @@ import torch
 from sglite.layers.logits_processor import PositionLogprobs, add_position_logprobs
 from sglite.model_executor.forward_batch_info import ForwardBatch
 from sglite.model_executor.model_runner import ModelRunner
+from sglite.sampling.sampling_batch_info import GrammarStep
 from sglite.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -60,6 +61,8 @@ class GenerationBatchResult:
     # (extend rounds; None: none this round) and its sampled token's
     input_logprobs: list[PositionLogprobs] | None = None
     output_logprobs: list[PositionLogprobs] | None = None
+    # per request of the batch, when one has a grammar: what its mask did (None: no mask)
+    grammar_stats: list[GrammarStep | None] | None = None
 
     @property
     def forward_time(self) -> float:
@@ -80,6 +83,7 @@ def run_forward(model_runner: ModelRunner, forward_batch: ForwardBatch, result: 
         add_position_logprobs(result.output_logprobs, list(range(len(result.next_token_ids))), logprobs,
                               result.next_token_ids, meta)
         result.input_logprobs = forward_batch.input_logprobs
+    result.grammar_stats = forward_batch.sampling_info.grammar_stats if forward_batch.sampling_info else None
     result.forward_finished = time.monotonic()
     result.tp_timings = model_runner.last_tp_timings
     return next_token_ids

@@ -393,6 +393,11 @@ class ModelRunner:
         """The sampled ids, and the rows' logprobs (Sampler.logprobs) when a request of
         the batch asked for them."""
         info = forward_batch.sampling_info
+        if info.grammars is not None:
+            if info.sampling_info_done is not None:
+                info.sampling_info_done.wait()  # overlap: the scheduler fills the mask once the last round is in
+            else:
+                info.update_regex_vocab_mask()
         penalized = self.sampler.penalized(logits, info)
         ids = self.sampler.sample(penalized, info)
         wants = forward_batch.logprob is not None and any(forward_batch.logprob.return_logprob)

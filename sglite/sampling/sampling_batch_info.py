@@ -7,12 +7,14 @@ requests' token lists rather than SGLang's incremental penalizer orchestrator.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import torch
 
 if TYPE_CHECKING:
+    from sglite.constrained.base_grammar_backend import BaseGrammarObject
     from sglite.managers.schedule_batch import Req
 
 
@@ -28,6 +30,16 @@ def uniform_draw(seed: int, position: int) -> float:
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     z ^= z >> 31
     return (z >> 11) / float(1 << 53)
+
+
+class GrammarStep(NamedTuple):
+    """What a grammar's mask did to one row: how many tokens it allowed, the token the
+    model preferred before the mask (argmax of the penalized logits) and whether the
+    mask refused it."""
+
+    allowed: int
+    preferred: int
+    refused: bool
 
 
 @dataclass
@@ -49,6 +61,17 @@ class SamplingBatchInfo:
     # minimum (their logits become -inf); logit_bias: [bs, vocab] added to the logits
     stop_tokens_mask: torch.Tensor | None = None
     logit_bias: torch.Tensor | None = None
+    # constrained output (SGLang's names): each row's grammar (None: unconstrained; None
+    # for the whole batch when no row has one), the batch's bitmask filled from them by
+    # update_regex_vocab_mask, and the grammar's function that applies it
+    grammars: "list[BaseGrammarObject | None] | None" = None
+    vocab_size: int = 0
+    vocab_mask: torch.Tensor | None = None
+    apply_mask_func: Callable[..., None] | None = None
+    # the overlap loop: set once the previous round's tokens are accepted and vocab_mask
+    # is filled (the forward runs meanwhile; sampling waits for it)
+    sampling_info_done: threading.Event | None = None
+    grammar_stats: list[GrammarStep | None] | None = None  # per row, after sampling
 
     @classmethod
     def from_reqs(cls, reqs: Sequence["Req"], vocab_size: int, device: str | torch.device) -> "SamplingBatchInfo":
@@ -84,7 +107,41 @@ class SamplingBatchInfo:
             info.repetition_penalties = col([p.repetition_penalty for p in params], torch.float32)
         info.stop_tokens_mask = _stop_tokens_mask(reqs, vocab_size, device)
         info.logit_bias = _logit_bias(reqs, vocab_size, device)
+        info.vocab_size = vocab_size
+        if any(r.grammar is not None for r in reqs):
+            info.grammars = [r.grammar for r in reqs]  # (compiled: queued requests are never in a batch)
         return info
+
+    def update_regex_vocab_mask(self) -> None:
+        """Fill vocab_mask from the rows' grammars, as they stand now (every token the
+        request has so far accepted). A finished grammar's row stays all-allowed."""
+        if not self.grammars:
+            self.vocab_mask = self.apply_mask_func = None
+            return
+        first = next(g for g in self.grammars if g is not None)
+        mask = first.allocate_vocab_mask(self.vocab_size, len(self.grammars), self.temperatures.device)
+        for i, grammar in enumerate(self.grammars):
+            if grammar is not None and not grammar.finished and not grammar.is_terminated():
+                grammar.fill_vocab_mask(mask, i)
+        self.vocab_mask = first.move_vocab_mask(mask, self.temperatures.device)
+        self.apply_mask_func = first.apply_vocab_mask
+
+    def apply_vocab_mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """The grammar rows' refused tokens to -inf, and what that did (grammar_stats).
+        Row by row, in float32: the same bits alone or batched."""
+        if self.vocab_mask is None or self.apply_mask_func is None or not self.grammars:
+            return logits
+        rows = [i for i, g in enumerate(self.grammars) if g is not None and not g.finished]
+        preferred = logits[rows].argmax(dim=-1).tolist() if rows else []
+        logits = logits.clone()
+        self.apply_mask_func(logits, self.vocab_mask)
+        self.grammar_stats = [None] * len(self.grammars)
+        if rows:
+            allowed = torch.isfinite(logits[rows]).sum(dim=-1).tolist()
+            refused = torch.isinf(logits[rows, preferred]).tolist()
+            for row, a, p, r in zip(rows, allowed, preferred, refused):
+                self.grammar_stats[row] = GrammarStep(int(a), int(p), bool(r))
+        return logits
 
     def cumulate_output_tokens(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Count tokens sampled after this batch was built (the overlap loop's inputs)."""
@@ -95,10 +152,12 @@ class SamplingBatchInfo:
 
     def apply_logits_bias(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits the sampler draws from (SGLang's order): penalties, then
-        min_new_tokens' mask, then logit_bias. Row by row: no row reads another."""
+        min_new_tokens' mask, then the grammars' vocab_mask, then logit_bias. Row by
+        row: no row reads another."""
         logits = self.apply_penalties(logits)
         if self.stop_tokens_mask is not None:
             logits = logits.masked_fill(self.stop_tokens_mask, float("-inf"))
+        logits = self.apply_vocab_mask(logits)
         if self.logit_bias is not None:
             logits = logits + self.logit_bias
         return logits
@@ -117,9 +176,11 @@ class SamplingBatchInfo:
 
 def _stop_tokens_mask(reqs: Sequence["Req"], vocab_size: int, device: str | torch.device) -> torch.Tensor | None:
     """[bs, vocab]: True at the EOS and stop token ids of each request that has fewer
-    output tokens than its min_new_tokens (counting one still being sampled); None if none has."""
+    output tokens than its min_new_tokens (counting one still being sampled); None if none has.
+    A request with a grammar is not masked: its grammar decides where the output may end
+    (where it allows only the stop token, both masks together would allow nothing)."""
     short = [i for i, r in enumerate(reqs)
-             if r.seqlen - len(r.origin_input_ids) < r.sampling_params.min_new_tokens]
+             if r.seqlen - len(r.origin_input_ids) < r.sampling_params.min_new_tokens and r.grammar is None]
     if not short:
         return None
     mask = torch.zeros((len(reqs), vocab_size), dtype=torch.bool)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -15,6 +16,9 @@ MAX_STOP_STRS = 64
 MAX_STOP_STR_LEN = 512  # characters
 MAX_STOP_TOKEN_IDS = 4096
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+MAX_GRAMMAR_CHARS = 65536  # a json_schema, regex, ebnf or structural_tag (compiled in the background)
+# the parameters that constrain the output to a grammar (at most one per request)
+GRAMMAR_PARAMS = ("json_schema", "regex", "ebnf", "structural_tag")
 # a nonzero float parameter below this is refused: float32 arithmetic would round it to
 # 0 (top_p 0 keeps no token) or overflow dividing by it (repetition_penalty)
 MIN_NONZERO = 1e-30
@@ -45,6 +49,12 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1  # SGLang's parallel samples: /generate and OpenAI's n make n requests of n = 1
     logit_bias: dict[str, float] | None = None  # token id (a string, as in JSON) -> added to its logit
+    # constrained output (docs/structured_output.md): a JSON schema (a JSON string, or an
+    # object here), a regular expression, an EBNF grammar, or an xgrammar structural tag
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
     stop_strs: list[str] = field(default_factory=list, repr=False)
 
     @classmethod
@@ -59,6 +69,8 @@ class SamplingParams:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(map(str, unknown)))}")
+        d = {k: (json.dumps(v) if k in ("json_schema", "structural_tag") and isinstance(v, (dict, bool)) else v)
+             for k, v in d.items()}  # a schema may come as JSON text or as the object itself
         params = cls(**d)
         params.check_types()
         return params
@@ -83,6 +95,23 @@ class SamplingParams:
                 raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         self._check_stops()
         self._check_logit_bias()
+        self._check_grammar()
+
+    def _check_grammar(self) -> None:
+        """json_schema, regex, ebnf, structural_tag: strings of at most MAX_GRAMMAR_CHARS;
+        at most one of them (SGLang's rule). Whether one parses is the gate's check
+        (sglite.constrained.xgrammar_backend.build_grammar)."""
+        for name in GRAMMAR_PARAMS:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} must be a non-empty string, got {short_repr(value)}")
+            check_utf8(name, value)
+            if len(value) > MAX_GRAMMAR_CHARS:
+                raise ValueError(f"{name} has {len(value)} characters; at most {MAX_GRAMMAR_CHARS}")
+        if sum(getattr(self, name) is not None for name in GRAMMAR_PARAMS) > 1:
+            raise ValueError("Only one of regex, json_schema, ebnf or structural_tag can be set.")
 
     def _check_logit_bias(self) -> None:
         """logit_bias: at most MAX_LOGIT_BIAS entries, each a token id (an integer, or a
@@ -176,6 +205,10 @@ class SamplingParams:
     def bias_ids(self) -> dict[int, float]:
         """logit_bias with int keys."""
         return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+
+    @property
+    def has_grammar(self) -> bool:
+        return any(getattr(self, name) is not None for name in GRAMMAR_PARAMS)
 
     @property
     def has_penalties(self) -> bool:
