@@ -236,6 +236,9 @@ class ReqFinished(Event):
     # token whose top-2 margin was smallest: (index, chosen id, its logprob, runner-up
     # id, its logprob); None otherwise
     closest_call: tuple[int, int, float, int, float] | None = None
+    # a request with a grammar: (output tokens whose unmasked argmax the mask refused,
+    # output tokens sampled under its mask); None otherwise
+    grammar_refused: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

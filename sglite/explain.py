@@ -17,8 +17,9 @@ from sglite import events as ev
 from sglite.managers.schedule_batch import RETRACT_DECODE_STEPS
 
 # the events that make up one request's history
-LIFECYCLE: tuple[type[ev.Event], ...] = (ev.ReqArrived, ev.ReqHeld, ev.CacheMatched, ev.ReqAdmitted, ev.ReqChunked,
-                                         ev.ReqRetracted, ev.ReqAborted, ev.ReqFinished)
+LIFECYCLE: tuple[type[ev.Event], ...] = (ev.ReqArrived, ev.GrammarQueued, ev.GrammarReady, ev.ReqHeld,
+                                         ev.CacheMatched, ev.ReqAdmitted, ev.ReqChunked, ev.ReqRetracted,
+                                         ev.ReqAborted, ev.ReqFinished)
 POOL_FULL = "KV cache pool is full"
 # ScheduleBatch.retract_decode's order (SGLang's): who goes first
 RETRACT_RULE = ("; SGLang's order: the request with the fewest output tokens goes first, ties to the longest "
@@ -292,6 +293,11 @@ def _describe(e: ev.Event, until: int | None, held_rounds: Counter[str]) -> str:
     at = f"iteration {e.iteration}"
     if isinstance(e, ev.ReqArrived):
         return f"{at}: arrived, {e.prompt_tokens} prompt tokens, max_new_tokens {e.max_new_tokens}"
+    if isinstance(e, ev.GrammarQueued):
+        return f"{at}: its {e.kind} grammar is not compiled yet: it waits in the grammar_queue while a thread compiles it"
+    if isinstance(e, ev.GrammarReady):
+        return (f"{at}: waited {e.waited_iterations} iterations ({e.waited_s * 1000:.0f} ms) for its grammar to "
+                "compile, then joined the waiting_queue")
     if isinstance(e, ev.ReqHeld):
         rounds = (until - e.iteration) if until is not None else 1
         held_rounds[e.budget] += rounds
@@ -318,5 +324,8 @@ def _describe(e: ev.Event, until: int | None, held_rounds: Counter[str]) -> str:
         index, best, best_lp, second, second_lp = e.closest_call
         close = (f"; its closest call was output token {index}: {best} (logprob {best_lp:.4f}) over {second} "
                  f"({second_lp:.4f}), margin {best_lp - second_lp:.4f}")
+    if e.grammar_refused is not None:
+        refused, steps = e.grammar_refused
+        close += f"; its grammar refused the model's first choice at {refused} of {steps} output tokens"
     return (f"{at}: finished ({e.reason}), {e.completion_tokens} output tokens, "
             f"{e.cached_tokens} of {e.prompt_tokens} prompt tokens from the cache{close}")

@@ -21,8 +21,9 @@ from sglite.constrained.base_grammar_backend import BaseGrammarBackend, BaseGram
 if TYPE_CHECKING:
     from sglite.model_loader.tokenizer import Tokenizer
 
-# xgrammar's C++ errors start "[12:00:00] /project/cpp/regex_converter.cc:94: "
-_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+# xgrammar's C++ errors start "[12:00:00] /project/cpp/regex_converter.cc:94: ", some
+# with "Check failed: (error.empty()) is false: " after it
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
 def error_text(e: BaseException) -> str:
@@ -41,15 +42,21 @@ def build_grammar(key: GrammarKey) -> Any:
     dispatch, text = key
     try:
         if dispatch == "json":
+            json.loads(text)
             return xgr.Grammar.from_json_schema(text)
         if dispatch == "regex":
             return xgr.Grammar.from_regex(text)
         if dispatch == "ebnf":
             return xgr.Grammar.from_ebnf(text)
         return xgr.Grammar.from_structural_tag(*_structural_tag_args(text))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"invalid {_param(dispatch)}: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     except (RuntimeError, ValueError, TypeError, KeyError) as e:
-        name = {"json": "json_schema"}.get(dispatch, dispatch)
-        raise ValueError(f"invalid {name}: {error_text(e)}") from None
+        raise ValueError(f"invalid {_param(dispatch)}: {error_text(e)}") from None
+
+
+def _param(dispatch: str) -> str:
+    return {"json": "json_schema"}.get(dispatch, dispatch)
 
 
 def _structural_tag_args(text: str) -> tuple[Any, ...]:

@@ -25,14 +25,16 @@ SAMPLING_KEYS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_n
                  "stop": "stop", "seed": "seed", "frequency_penalty": "frequency_penalty",
                  "presence_penalty": "presence_penalty", "repetition_penalty": "repetition_penalty",
                  "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
-                 "stop_token_ids": "stop_token_ids", "min_tokens": "min_new_tokens", "logit_bias": "logit_bias"}
+                 "stop_token_ids": "stop_token_ids", "min_tokens": "min_new_tokens", "logit_bias": "logit_bias",
+                 # SGLang's extensions: a grammar for the output (response_format's are read below)
+                 "regex": "regex", "ebnf": "ebnf", "json_schema": "json_schema"}
 IGNORED_KEYS = {"model", "stream", "stream_options", "n", "user",
                 "parallel_tool_calls", "service_tier", "store", "metadata",
                 "cache_salt", "extra_key"}  # (the last two: extra_key_of)
 # what only one route takes (read by prompts_of / the messages, logprob_params, echo_of)
-COMPLETION_KEYS = {"prompt", "logprobs", "echo"}
-CHAT_KEYS = {"messages", "logprobs", "top_logprobs", "continue_final_message"}
-UNSUPPORTED = {"response_format": (None, {"type": "text"}), "best_of": (None, 1), "suffix": (None, ""),
+COMPLETION_KEYS = {"prompt", "logprobs", "echo", "response_format"}
+CHAT_KEYS = {"messages", "logprobs", "top_logprobs", "continue_final_message", "response_format"}
+UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""),
                "tools": (None, []), "tool_choice": (None, "none"),
                "functions": (None, []), "function_call": (None, "none")}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -67,6 +69,7 @@ def sampling_params(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], i
                 raise OpenAIError(f"{key} is not supported by sglite", key)
         elif key not in IGNORED_KEYS and key not in (CHAT_KEYS if chat else COMPLETION_KEYS):
             raise OpenAIError(f"unknown parameter {key!r}", key)
+    params.update(response_format_params(body.get("response_format")))
     if "max_new_tokens" not in params:
         # completions: OpenAI's 16; a chat without a limit runs to a stop or to the end of
         # the context (as SGLang's: the scheduler caps the output at what the prompt leaves)
@@ -77,6 +80,29 @@ def sampling_params(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], i
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
         raise OpenAIError(f"n must be an integer from 1 to {MAX_N}, got {n!r}", "n")
     return params, n
+
+
+def response_format_params(fmt: Any) -> dict[str, str]:
+    """OpenAI's response_format as SGLang turns it into sampling parameters: text -> none,
+    json_object -> the schema {"type": "object"}, json_schema -> its schema,
+    structural_tag -> the whole object (xgrammar's structural tag)."""
+    if fmt is None:
+        return {}
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema", "structural_tag"):
+        raise OpenAIError("response_format must be an object whose type is text, json_object, json_schema or "
+                          f"structural_tag, got {_json_short(fmt)}", "response_format")
+    kind = fmt["type"]
+    if kind == "json_object":
+        return {"json_schema": '{"type": "object"}'}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema", spec.get("schema_")) if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise OpenAIError("schema_ is required for json_schema response format request.", "response_format")
+        return {"json_schema": json.dumps(schema)}
+    if kind == "structural_tag":
+        return {"structural_tag": json.dumps(fmt)}
+    return {}
 
 
 def stream_options(body: dict[str, Any]) -> tuple[bool, bool]:

@@ -42,6 +42,11 @@ class SamplingParamsInput(_Strict):
     seed: int | None = Field(None, ge=0)
     n: int = Field(1, ge=1, le=16)  # /generate: n requests of one sample each
     logit_bias: dict[str, float] | None = None
+    # constrained output, at most one (docs/structured_output.md)
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
 
 
 class GenerateReqInput(_Strict):
@@ -64,6 +69,23 @@ class GenerateReqInput(_Strict):
 
 class StreamOptions(BaseModel):
     include_usage: bool | None = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = False
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format; structural_tag is SGLang's (xgrammar's structural tag:
+    its ``structures`` and ``triggers``)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
 
 class _OpenAISampling(_Strict):
@@ -91,7 +113,10 @@ class _OpenAISampling(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    regex: str | None = None  # SGLang's extensions: a grammar for the output
+    ebnf: str | None = None
+    json_schema: str | None = None
     parallel_tool_calls: bool | None = None
     service_tier: str | None = None
     store: bool | None = None

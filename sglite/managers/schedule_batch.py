@@ -186,6 +186,7 @@ class Req:
         self.grammar_key: tuple[str, str] | None = None
         self.grammar_wait_ct = 0  # grammar_queue polls that found its compile not done
         self.grammar_queued_iteration = 0  # the scheduler iteration it entered the grammar_queue
+        self.grammar_steps = self.grammar_refused = 0  # tokens sampled under its mask; of those, argmax refused
         # the random draw for output token n depends only on (sampling_seed, n): a seeded
         # request samples the same tokens however it is batched, chunked or retracted
         self.sampling_seed = sampling_params.seed if sampling_params.seed is not None else seed

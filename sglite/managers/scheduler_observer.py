@@ -107,7 +107,8 @@ class SchedulerObserver:
         assert req.finished_reason is not None
         self.event_bus.emit(ev.ReqFinished, rid=req.rid, reason=req.finished_reason.to_json()["type"],
                             prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
-                            cached_tokens=req.cached_tokens, closest_call=closest_call(req))
+                            cached_tokens=req.cached_tokens, closest_call=closest_call(req),
+                            grammar_refused=(req.grammar_refused, req.grammar_steps) if req.grammar_steps else None)
 
     def on_token_logprobs(self, req: "Req") -> None:
         """The newest output token's logprob and top tokens (a request that asked)."""
@@ -130,6 +131,8 @@ class SchedulerObserver:
 
     def on_grammar_step(self, req: "Req", step: "GrammarStep", token_id: int) -> None:
         """What the mask did to the request's newest token (a request with a grammar)."""
+        req.grammar_steps += 1
+        req.grammar_refused += step.refused
         if self.event_bus.active:
             self.event_bus.emit(ev.GrammarMasked, rid=req.rid, index=len(req.output_ids) - 1, allowed=step.allowed,
                                 preferred=step.preferred, refused=step.refused, token_id=token_id)
