@@ -79,7 +79,8 @@ class TimelineBuilder:
             ev.ReqArrived: self._arrived, ev.ReqAdmitted: self._admitted, ev.ReqChunked: self._chunked,
             ev.TokensEmitted: self._tokens, ev.ReqRetracted: self._retracted, ev.ReqFinished: self._finished,
             ev.ReqAborted: self._aborted, ev.CacheMatched: self._cache_matched, ev.ReqHeld: self._held,
-            ev.IterationFinished: self._iteration_finished,
+            ev.IterationFinished: self._iteration_finished, ev.GrammarQueued: self._grammar_queued,
+            ev.GrammarReady: self._grammar_ready,
         }
 
     def __call__(self, event: ev.Event) -> None:
@@ -138,6 +139,22 @@ class TimelineBuilder:
             name, st.chunks = f"prefill.chunk[{st.chunks}]", st.chunks + 1
         st.prefills.append(self._open(Node(name, e.ts, "stage", st.root.track, st.root, attributes={
             "sglite.prefix_len": e.prefix_len, "sglite.extend_len": e.extend_len})))
+
+    def _grammar_queued(self, e: ev.GrammarQueued) -> None:
+        """Its grammar compiles: a grammar_queue stage instead of waiting, until it is ready."""
+        st = self.reqs.get(e.rid)
+        if st is not None:
+            self._end_stage(st, e.ts)
+            self._stage(st, "grammar_queue", e.ts, **{"sglite.grammar": e.kind})
+
+    def _grammar_ready(self, e: ev.GrammarReady) -> None:
+        st = self.reqs.get(e.rid)
+        if st is None:
+            return
+        self._end_stage(st, e.ts)
+        st.root.events.append(("grammar_compiled", e.ts, {
+            "sglite.grammar": e.kind, "sglite.waited_iterations": e.waited_iterations, "sglite.waited_s": e.waited_s}))
+        self._stage(st, "waiting", e.ts)
 
     def _held(self, e: ev.ReqHeld) -> None:
         """Why admission left it waiting: a span event on its waiting span, each time the

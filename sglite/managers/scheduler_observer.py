@@ -72,7 +72,8 @@ class SchedulerObserver:
         """What /get_server_info and /metrics report of the scheduler."""
         s = self.scheduler
         return {"iteration": s.iteration, "num_running_reqs": len(s.running_reqs()),
-                "num_queue_reqs": len(s.waiting_queue), "num_used_tokens": self.num_used_tokens(),
+                "num_queue_reqs": len(s.waiting_queue), "num_grammar_queue_reqs": len(s.grammar_manager),
+                "num_used_tokens": self.num_used_tokens(),
                 "token_usage": self.token_usage(), "max_total_num_tokens": s.max_total_num_tokens,
                 "available_tokens": s.token_to_kv_pool_allocator.available_size(),
                 "evictable_tokens": s.tree_cache.evictable_size(), "cache_hit_rate": self.cache_hit_rate(),

@@ -21,6 +21,7 @@ E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 120, 
 SCHEDULER_GAUGES = {
     "num_running_reqs": "The number of running requests.",
     "num_queue_reqs": "The number of requests in the waiting queue.",
+    "num_grammar_queue_reqs": "The number of requests in the grammar waiting queue.",
     "num_used_tokens": "The number of KV tokens held by requests.",
     "token_usage": "The token usage (share of the KV pool held by requests).",
     "gen_throughput": "The generation throughput (token/s).",

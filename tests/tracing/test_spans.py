@@ -187,3 +187,20 @@ def test_a_logprob_request_s_span_carries_its_closest_call():
     assert lp.attributes["sglite.closest_call.margin"] == tops[i][0][0] - tops[i][1][0]
     assert list(lp.attributes["sglite.closest_call.tokens"]) == [tops[i][0][1], tops[i][1][1]]
     assert "sglite.closest_call.index" not in by_name(spans, "req plain")[0].attributes
+
+
+def test_a_grammar_request_has_a_grammar_queue_stage_and_a_compile_event():
+    engine, mem, tr = traced(level=1)
+    engine.generate("the scheduler", {"max_new_tokens": 4, "temperature": 0, "regex": "[0-9]{4}"}, rid="g")
+    engine.generate("the scheduler", {"max_new_tokens": 4, "temperature": 0, "regex": "[0-9]{4}"}, rid="hit")
+    tr.shutdown()
+    spans = mem.get_finished_spans()
+    (root,) = by_name(spans, "req g")
+    stages = [s.name for s in sorted(children(spans, root), key=lambda s: s.start_time)]
+    assert stages == ["waiting", "grammar_queue", "waiting", "prefill", "decode"]  # (the first: arrival to lookup)
+    (queue,) = [s for s in children(spans, root) if s.name == "grammar_queue"]
+    assert queue.attributes["sglite.grammar"] == "regex"
+    (compiled,) = [e for e in root.events if e.name == "grammar_compiled"]
+    assert compiled.attributes["sglite.grammar"] == "regex" and compiled.attributes["sglite.waited_iterations"] >= 0
+    (hit,) = by_name(spans, "req hit")  # a cached grammar: no wait
+    assert [s.name for s in sorted(children(spans, hit), key=lambda s: s.start_time)][0] == "waiting"
