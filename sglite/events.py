@@ -376,7 +376,8 @@ class CacheEvicted(Event):
 
 
 class WaitingRow(NamedTuple):
-    """A request in the waiting_queue, in queue order."""
+    """A request in the waiting_queue, in queue order; then those in the grammar_queue
+    (held "grammar": their grammar still compiles)."""
 
     rid: str
     prompt_tokens: int

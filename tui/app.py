@@ -158,6 +158,10 @@ class DetailScreen(ModalScreen):
         logprobs = req.logprob_lines(view.iteration)
         if logprobs:
             lines += ["", "[b]logprobs[/] (token id, logprob; top tokens)"] + [escape(x) for x in logprobs]
+        grammar = req.grammar_lines(view.iteration)
+        if grammar:
+            lines += ["", "[b]grammar mask[/] (tokens it allowed; the model's choice before it)"]
+            lines += [escape(x) for x in grammar]
         text = Text.from_markup("\n".join(lines) + "\n\n").append("text so far\n", style="bold")
         if req.ignore_eos:
             text.append("EOS ignored: generation continues past the model's end of turn, so the text runs on "

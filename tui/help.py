@@ -38,7 +38,8 @@ PANELS = [
     ("  why", "the budget that left it waiting at the last admission round: pool (KV pool), prefill "
               "(max_prefill_tokens), chunk (chunked_prefill_size), max run (max_running_requests), order (an "
               "earlier request stopped admission), prefix (a request sharing its prefix goes first), trial (a "
-              "failed round's requests re-run one at a time); the request's detail has the numbers (docs/why.md)",
+              "failed round's requests re-run one at a time), grammar (in the grammar_queue: its json_schema, regex "
+              "or ebnf still compiles); the request's detail has the numbers (docs/why.md)",
      "PrefillAdder rem_total_tokens / rem_input_tokens / rem_chunk_tokens, max_running_requests; ReqHeld"),
     ("running_batch", "requests admitted and decoding (a chunked request shows here too)", "Scheduler.running_batch"),
     ("  seq", "tokens in the sequence: prompt + output; counts the token sampled this round, "

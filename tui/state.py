@@ -24,7 +24,7 @@ ADMISSION_WORDS = {"EMPTY_QUEUE": "queue empty", "NO_TOKEN": "KV pool full", "OT
 # the budget that held a waiting request (ReqHeld.budget), as the waiting_queue shows it
 HELD_WORDS = {"rem_total_tokens": "pool", "rem_input_tokens": "prefill", "rem_chunk_tokens": "chunk",
               "max_running_requests": "max run", "in_batch_prefix": "prefix", "not_reached": "order",
-              "failed_round_trial": "trial"}
+              "failed_round_trial": "trial", "grammar": "grammar"}
 RID_WIDTH = 16  # longer rids (a server's are uuids) show as their head and tail
 THROUGHPUT_WINDOW = 2.0  # seconds of output tokens the tok/s figure averages over
 
@@ -55,6 +55,9 @@ class ReqInfo:
     ended: tuple[int, str] | None = None  # (iteration, "finished: length" / "aborted: why")
     # a request that asked for logprobs: (iteration, output index, token, logprob, top (id, logprob)s)
     logprobs: list[tuple[int, int, int, float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
+    # a request with a grammar: (iteration, output index, tokens allowed, the model's
+    # unmasked argmax, whether the mask refused it, the token sampled)
+    grammar_steps: list[tuple[int, int, int, int, bool, int]] = field(default_factory=list)
 
     def text_at(self, iteration: int) -> str:
         return "".join(t for it, t in self.text if it <= iteration)
@@ -73,6 +76,18 @@ class ReqInfo:
         for _, i, token, value, top in rows[-last:]:
             rest = "  ".join(f"{t} {v:.3f}" for t, v in top[:3])
             out.append(f"  token {i:>4}: {token} {value:.4f}" + (f"   top: {rest}" if rest else ""))
+        return out
+
+    def grammar_lines(self, iteration: int, last: int = 8) -> list[str]:
+        """What its grammar's mask did, as of ``iteration``: how often it refused the
+        model's first choice, and the last ``last`` tokens' steps."""
+        rows = [r for r in self.grammar_steps if r[0] <= iteration]
+        if not rows:
+            return []
+        out = [f"the mask refused the model's first choice at {sum(r[4] for r in rows)} of {len(rows)} tokens"]
+        for _, i, allowed, preferred, refused, token in rows[-last:]:
+            said = f"preferred {preferred}, refused -> {token}" if refused else f"took its first choice {token}"
+            out.append(f"  token {i:>4}: {allowed:>6} allowed; {said}")
         return out
 
     def tokens_at(self, iteration: int) -> int:
@@ -195,7 +210,8 @@ class ViewBuilder:
     def apply(self, e: ev.Event) -> View | None:
         it = e.iteration
         if isinstance(e, (ev.ReqArrived, ev.ReqHeld, ev.ReqAdmitted, ev.ReqChunked, ev.ReqRetracted,
-                          ev.ReqFinished, ev.ReqAborted, ev.TokensEmitted, ev.TokenLogprobs)):
+                          ev.ReqFinished, ev.ReqAborted, ev.TokensEmitted, ev.TokenLogprobs, ev.GrammarQueued,
+                          ev.GrammarReady, ev.GrammarMasked)):
             self._apply_req(e, self._req(e.rid))
         elif isinstance(e, ev.CacheMatched) and e.reason:
             self._count_miss(e)
@@ -264,6 +280,8 @@ class ViewBuilder:
             self.add_log(it, f"done {short_rid(e.rid)} {e.reason} {e.completion_tokens} tok")
         elif isinstance(e, ev.TokenLogprobs):
             r.logprobs.append((it, e.index, e.token_id, e.logprob, e.top))
+        elif isinstance(e, (ev.GrammarQueued, ev.GrammarReady, ev.GrammarMasked)):
+            self._apply_grammar(e, r)
         elif isinstance(e, ev.ReqAborted):
             r.ended = (it, f"aborted: {e.reason}")
             r.timeline.append((it, f"aborted: {e.reason}"))
@@ -275,6 +293,17 @@ class ViewBuilder:
             if e.text:
                 r.text.append((it, e.text))
             self._tokens += len(e.token_ids)
+
+    def _apply_grammar(self, e: Any, r: ReqInfo) -> None:
+        it = e.iteration
+        if isinstance(e, ev.GrammarMasked):
+            r.grammar_steps.append((it, e.index, e.allowed, e.preferred, e.refused, e.token_id))
+        elif isinstance(e, ev.GrammarQueued):
+            r.timeline.append((it, f"grammar_queue: its {e.kind} grammar compiles"))
+            self.add_log(it, f"[magenta]grammar[/] {short_rid(e.rid)} {e.kind} compiling")
+        else:
+            r.timeline.append((it, f"grammar compiled after {e.waited_iterations} iterations: to the waiting_queue"))
+            self.queued_at[e.rid] = it
 
     def throughput_at(self, now: float) -> float:
         """Output tokens a second over the THROUGHPUT_WINDOW seconds before ``now`` (less

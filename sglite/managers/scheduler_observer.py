@@ -310,6 +310,9 @@ class SchedulerObserver:
         s = self.scheduler
         waiting = tuple(ev.WaitingRow(r.rid, len(r.origin_input_ids), len(r.prefix_indices),
                                      r.hold.budget if r.hold else "") for r in s.waiting_queue)
+        # then the grammar_queue: requests whose grammar still compiles (why: grammar)
+        waiting += tuple(ev.WaitingRow(r.rid, len(r.origin_input_ids), 0, "grammar")
+                         for r in s.grammar_manager.grammar_queue)
         running = tuple(ev.RunningRow(r.rid, r.seqlen, len(r.output_ids), r.sampling_params.max_new_tokens)
                         for r in s.running_reqs())
         tree: tuple[ev.TreeNodeRow, ...] | None = tuple(s.tree_cache.snapshot())

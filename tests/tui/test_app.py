@@ -514,3 +514,29 @@ def test_recording_round_trips_snapshots(tmp_path):
         engine.step()
     snaps = log.of(ev.SchedulerSnapshot)
     assert snaps and all(ev.event_from_dict(json.loads(s.to_json())) == s for s in snaps)
+
+
+def test_the_grammar_queue_shows_in_the_waiting_panel_and_the_mask_in_the_detail():
+    """A request whose grammar compiles is a waiting row held by "grammar"; its detail
+    tells how long the compile held it and, per token, what the mask allowed and refused."""
+    log = ev.EventLog()
+    with Engine("tiny-random", log_level="error") as engine:
+        engine.event_bus.subscribe(log, snapshots=True)
+        backend = engine.scheduler.grammar_manager.grammar_backend
+        release, dispatch = threading.Event(), backend.dispatch
+        backend.dispatch = lambda key: release.wait(30) and dispatch(key)
+        rid = engine.submit("the scheduler", sampling_params={"max_new_tokens": 4, "temperature": 0, "regex": "[0-9]{4}"})
+        for _ in range(3):
+            engine.step()
+        release.set()
+        while not engine.is_finished(rid):
+            engine.step()
+    views, builder = build_views(log.events)
+    assert [w for w in views[1].waiting if w[0] == rid][0][4] == HELD_WORDS["grammar"] == "grammar"
+    req = builder.requests[rid]
+    stages = [what for _, what in req.timeline]
+    assert stages[1] == "grammar_queue: its regex grammar compiles"
+    assert stages[2].startswith("grammar compiled after ") and stages[2].endswith("iterations: to the waiting_queue")
+    lines = req.grammar_lines(views[-1].iteration)
+    assert lines[0] == "the mask refused the model's first choice at 4 of 4 tokens"
+    assert len(lines) == 5 and all(" allowed; preferred " in x and "refused ->" in x for x in lines[1:])
