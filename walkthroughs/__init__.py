@@ -13,7 +13,7 @@ MODULES = {"event-loop": "event_loop", "two-requests": "two_requests", "chunked-
            "retract": "retract", "mixed": "mixed", "radix-cache": "radix_cache", "growing-queue": "growing_queue",
            "why-waiting": "why_waiting",
            "tracing": "tracing_walk", "overlap": "overlap", "tensor-parallel": "tensor_parallel",
-           "batch-invariance": "batch_invariance"}
+           "batch-invariance": "batch_invariance", "constrained-decoding": "constrained"}
 
 
 def registry() -> dict[str, Walkthrough]:

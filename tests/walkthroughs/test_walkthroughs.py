@@ -13,7 +13,7 @@ import pytest
 from walkthroughs import Narrator, WalkthroughFailed, registry
 
 NAMES = list(registry())
-REAL_MODEL = {"batch-invariance"}  # on SmolLM2 (its subject is the weights' arithmetic)
+REAL_MODEL = {"batch-invariance", "constrained-decoding"}  # on SmolLM2 (the weights' arithmetic; real JSON)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.real_model) if n in REAL_MODEL else n
