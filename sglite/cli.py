@@ -113,6 +113,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     from sglite.sampling.sampling_params import SamplingParams
 
     SamplingParams.from_dict(_sampling_params(args)).verify()  # before anything loads
+    if not args.chat and args.prompt == "":
+        raise ValueError("the prompt is empty")  # (the gate's words; it would say so after the model loads)
     server_args = check_engine_args(args)
     from sglite.engine import Engine
 

@@ -38,6 +38,7 @@ BAD_COMMANDS: list[tuple[str, list[str], str]] = [
                                   "10.0.0.1:5000"], "node_rank must be in [0, nnodes)"),
     ("--dist-init-addr without a port", ["serve", "--tp-size", "2", "--dist-init-addr", "10.0.0.1"],
      "dist_init_addr must be host:port"),
+    ("an empty prompt", ["generate", ""], "the prompt is empty"),
     ("--max-new-tokens -1", ["generate", "hi", "--max-new-tokens", "-1"], "max_new_tokens must be a non-negative integer"),
     ("--temperature -1", ["generate", "hi", "--temperature", "-1"], "temperature must be >= 0"),
     ("--top-p 0", ["generate", "hi", "--top-p", "0"], "top_p must be in (0, 1]"),

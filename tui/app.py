@@ -38,9 +38,10 @@ DECAY_REDRAW = THROUGHPUT_WINDOW / 4  # live, once no iteration ran for this lon
 MISS_LINE_MIN_HEIGHT = 30  # terminal rows from which the KV pool panel shows its miss line
 
 
-def pool_lines(v: View, width: int, throughput: float) -> list[Text]:
+def pool_lines(v: View, width: int, throughput: float | None) -> list[Text]:
     """The KV pool panel's lines for a panel ``width`` cells wide: the bar (█ held by
-    requests, ▒ cached and evictable, · free), then the counts."""
+    requests, ▒ cached and evictable, · free), then the counts (``throughput`` None:
+    live and paused, nothing is generated)."""
     used = v.pool_total - v.pool_free - v.pool_evictable
     bar_width = max(10, min(40, width - 1))
     bar_used = round(bar_width * used / max(v.pool_total, 1))
@@ -52,7 +53,7 @@ def pool_lines(v: View, width: int, throughput: float) -> list[Text]:
     return [bar] + [Text(line) for line in (
         f"used {used} free {v.pool_free}", f"cached {v.pool_evictable} usage {v.token_usage:.2f}",
         f"hit {v.cache_hit_rate:.2f} retracted {v.retractions}", f"new_token_ratio {v.new_token_ratio:.3f}",
-        f"admit: {stop}", f"{throughput:.1f} tok/s")]
+        f"admit: {stop}", "paused: 0 tok/s" if throughput is None else f"{throughput:.1f} tok/s")]
 
 
 def tp_forward_line(timings: tuple[tuple[float, float], ...]) -> str:
@@ -65,6 +66,20 @@ class IterationKeys:
     """The keys that move through a recording's iterations (a replay; two runs
     compared), for an App with ``index``, ``paused``, ``show_index(i)`` and
     ``last_index``."""
+
+    def on_key(self, event: Any) -> None:
+        """A terminal sends Esc and a key typed soon after it (within Textual's 100 ms
+        escape delay, tmux's escape-time) as one key, alt+key: Esc then q closed nothing
+        and quit nothing. Take alt+<key> as what was typed: Esc (close the help or detail
+        screen on top), then the key."""
+        key = event.key
+        if not (key.startswith("alt+") and len(key) == len("alt+x")):
+            return
+        event.stop()
+        event.prevent_default()
+        if isinstance(self.screen, ModalScreen):
+            self.screen.dismiss()
+        self.call_after_refresh(self.simulate_key, key[len("alt+"):])
 
     def action_step(self) -> None:
         self.paused = True
@@ -241,7 +256,7 @@ class SchedulerApp(IterationKeys, App):
         yield TitleBar(id="titlebar")
         with Grid():
             # short headers so the columns fit at 80x24 (the border titles name the panels)
-            yield RowTable(("rid", "len", "cached", "wait", "why"), id="waiting")
+            yield RowTable(("rid", "len", "cached", "wait", "why"), id="waiting", hideable=("cached", "len"))
             yield RowTable(("rid", "seq", "out/max"), id="running")
             yield RowTable(("rid", "pre", "ext", "seq", "loc"), id="plan")
             with Vertical(id="poolbox"):
@@ -268,6 +283,10 @@ class SchedulerApp(IterationKeys, App):
         self._show_top_line(self.subtitle_base)
         if self.replay and self.views:
             self.render_view(self.views[0])
+        elif not self.replay:
+            # until the engine's first iteration comes (a first start also warms its kernels)
+            self._show_top_line(f"starting: waiting for the engine's first iteration · {self.subtitle_base}")
+            self.query_one("#waiting", RowTable).show([], notes=["waiting for the engine's first iteration ..."])
         self.set_interval(UI_INTERVAL, self._tick)
         # what exists now (Textual, the widgets, imported modules) lives as long as the
         # app: keep it out of the cyclic collector, whose full passes over it stalled
@@ -377,10 +396,13 @@ class SchedulerApp(IterationKeys, App):
         # not App.sub_title: setting that reactive repaints the whole screen
         self.query_one("#titlebar", TitleBar).show(self.title, text)
 
-    def _throughput(self, v: View) -> float:
+    def _throughput(self, v: View) -> float | None:
         """The view's tok/s, or, live and running when no iteration ran for a while, the
-        rate over the last THROUGHPUT_WINDOW seconds up to now (0 once a window passed)."""
+        rate over the last THROUGHPUT_WINDOW seconds up to now (0 once a window passed);
+        None live and paused (a replay paused shows the rate as of its iteration)."""
         builder = self.feed.builder if self.feed is not None else None
+        if self.paused and not self.replay:
+            return None
         if self.paused or builder is None or builder.last_ts is None or v.iteration != self.feed.latest_iteration():
             return v.throughput  # (paused: the rate as of the iteration on screen)
         now = monotonic()

@@ -103,6 +103,16 @@ class WidthLines(TextLines):
         self.draw = draw
         self.set_lines(draw(self.size.width))
 
+    def _visible_columns(self) -> list[int]:
+        """The columns shown: all, less the hideable ones (in order) while a row is wider
+        than the panel."""
+        keep = list(range(len(self.columns)))
+        for name in self.hideable:
+            if sum(self._widths[j] for j in keep) + len(keep) - 1 <= self.size.width:
+                break
+            keep.remove(self.columns.index(name))
+        return keep
+
     def on_resize(self) -> None:
         if self.draw is not None:
             self.set_lines(self.draw(self.size.width))
@@ -131,6 +141,16 @@ class TextSparkline(TextLines):
                        for v in shown)
         self.set_lines([Text(bars.rjust(width))])
 
+    def _visible_columns(self) -> list[int]:
+        """The columns shown: all, less the hideable ones (in order) while a row is wider
+        than the panel."""
+        keep = list(range(len(self.columns)))
+        for name in self.hideable:
+            if sum(self._widths[j] for j in keep) + len(keep) - 1 <= self.size.width:
+                break
+            keep.remove(self.columns.index(name))
+        return keep
+
     def on_resize(self) -> None:
         self.show(*self._data)
 
@@ -151,9 +171,12 @@ class RowTable(TextLines):
             super().__init__()
             self.rid = rid
 
-    def __init__(self, columns: tuple[str, ...], id: str) -> None:  # noqa: A002
+    def __init__(self, columns: tuple[str, ...], id: str, hideable: tuple[str, ...] = ()) -> None:  # noqa: A002
         super().__init__(id=id)
         self.columns = columns
+        # columns left out, in this order, while a row would not fit the panel's width
+        # (80x24: the waiting_queue keeps its why column and drops cached, then len)
+        self.hideable = hideable
         self.rows: list[tuple[str, ...]] = []  # everything the table holds, shown or not
         self.selected: str | None = None
         self._widths = [len(c) for c in columns]
@@ -202,8 +225,11 @@ class RowTable(TextLines):
         shown = rows if len(rows) <= fit else rows[: max(0, fit - 1)]
         self._shown = len(shown)
 
+        keep = self._visible_columns()
+
         def line(cells: tuple[str, ...]) -> str:  # rid left, numbers right
-            return " ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(cells, self._widths)))
+            return " ".join(cells[j].ljust(self._widths[j]) if j == 0 else cells[j].rjust(self._widths[j])
+                            for j in keep)
 
         lines = [Text(n, style="italic") for n in notes] + [Text(line(self.columns), style="bold")]
         lines += [Text(line(c), style="reverse" if r[0] == selected else "bold yellow" if r[0] in marked else "")
@@ -211,6 +237,16 @@ class RowTable(TextLines):
         if len(shown) < len(rows):
             lines.append(Text(f"+{len(rows) - len(shown)} more", style="dim"))
         self.set_lines(lines)
+
+    def _visible_columns(self) -> list[int]:
+        """The columns shown: all, less the hideable ones (in order) while a row is wider
+        than the panel."""
+        keep = list(range(len(self.columns)))
+        for name in self.hideable:
+            if sum(self._widths[j] for j in keep) + len(keep) - 1 <= self.size.width:
+                break
+            keep.remove(self.columns.index(name))
+        return keep
 
     def on_resize(self) -> None:
         if self._key is not None:

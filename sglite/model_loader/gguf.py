@@ -190,11 +190,17 @@ def read_tensors(reader, config: ModelConfig, path: Path,
             elif t.name.endswith("attn_k.weight") or t.name.endswith("attn_k.bias"):
                 w = unpermute_qk(w, config.num_key_value_heads)
         weights[name] = w.contiguous()
-        if progress is not None and (i + 1) % max(1, n // 10) == 0:
+        if progress is not None and progress_due(i, n):
             progress(f"converting {path.name} ({n} tensors) ... {100 * (i + 1) // n}%")
     if "model.embed_tokens.weight" not in weights:
         raise ModelLoadError(f"{path}: no token_embd.weight tensor; is this a language model GGUF?")
     return weights
+
+
+def progress_due(i: int, n: int) -> bool:
+    """Tell the conversion's progress after tensor ``i`` of ``n``: every tenth of them,
+    and at the last whatever ``n`` is (SmolLM2's 272 stopped at 99%)."""
+    return (i + 1) % max(1, n // 10) == 0 or i + 1 == n
 
 
 def check_magic(path: Path) -> None:

@@ -327,3 +327,17 @@ def test_missing_metadata_is_named(tmp_path):
     w.close()
     with pytest.raises(ModelLoadError, match="llama.embedding_length is missing"):
         load_model(str(path))
+
+
+def test_conversion_progress_ends_at_100_percent(tmp_path):
+    """Progress is told every tenth of the tensors, and at the last one whatever their
+    number (SmolLM2's 272 stopped at 99%)."""
+    from sglite.model_loader.gguf import load_gguf, progress_due
+
+    told = [100 * (i + 1) // 272 for i in range(272) if progress_due(i, 272)]
+    assert told == [9, 19, 29, 39, 49, 59, 69, 79, 89, 99, 100]
+    path = tmp_path / "m.gguf"
+    write_gguf(path)
+    said: list[str] = []
+    load_gguf(path, progress=said.append)
+    assert said and said[-1].endswith(" ... 100%")
