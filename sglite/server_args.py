@@ -66,7 +66,7 @@ class ServerArgs:
         False, "a streamed /generate sends each event's new text, output_ids and output logprobs only (default: "
                "everything so far, as SGLang's); --stream-output is SGLang's older name", aliases=("--stream-output",))
     skip_tokenizer_init: bool = _opt(
-        False, "load no tokenizer: requests give input_ids and get output_ids (text stays empty; prompts, chat "
+        False, "load no tokenizer: requests give input_ids and get output_ids (no text; prompts, chat "
                "messages and stop strings are refused), as SGLang's flag")
     grammar_backend: str = _opt(
         "xgrammar", "compiles json_schema / regex / ebnf / structural_tag requests (docs/structured_output.md); none "

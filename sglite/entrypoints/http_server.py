@@ -329,14 +329,15 @@ async def _generate(request: Request, manager: ServerTokenizerManager, trace_par
     if any(_samples(sp.sampling_params) > 1 for sp in specs):
         specs, batch = _parallel_samples(specs), True
     claim = await manager.submit(specs, trace_parent, batch)  # (nothing is sent before every request passed)
+    with_text = manager.gate.tokenizer is not None  # (--skip-tokenizer-init: ids only, as SGLang's)
     if stream:
-        shape = NativeChunks(request.app.state.info.server_args.incremental_streaming_output)
+        shape = NativeChunks(request.app.state.info.server_args.incremental_streaming_output, with_text)
         events = _native_batch_stream(manager, claim, shape) if batch else _native_stream(manager, claim, shape)
         return StreamingResponse(ClaimedStream(events, claim), media_type="text/event-stream")
     states, failed = await _run_to_end(manager, claim, request, round_failure_is_error=False)
     if failed is not None:
         return failed
-    results = [_native_result(s) for s in states]
+    results = [_native_result(s, with_text) for s in states]
     return JSONResponse(results if batch else results[0])
 
 
@@ -421,9 +422,11 @@ def _parallel_samples(specs: list[ReqSpec]) -> list[ReqSpec]:
     return out
 
 
-def _native_result(state: ServerReqState) -> dict[str, Any]:
+def _native_result(state: ServerReqState, with_text: bool = True) -> dict[str, Any]:
+    """A /generate result; ``with_text`` False (--skip-tokenizer-init): no "text", as SGLang's."""
     meta = {"id": state.rid, **state.result_meta()}
-    out = {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
+    out = {"text": state.text} if with_text else {}
+    out |= {"output_ids": list(state.output_ids), "meta_info": meta}
     if "error" in meta:
         out["error"] = {"message": meta["error"]}
     return out
@@ -459,18 +462,19 @@ class NativeChunks:
 
     INCREMENTAL_KEYS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
 
-    def __init__(self, incremental: bool):
-        self.incremental = incremental
+    def __init__(self, incremental: bool, with_text: bool = True):
+        self.incremental, self.with_text = incremental, with_text
         self.sent: dict[str, tuple[int, int]] = {}  # rid -> (characters, tokens) sent
 
     def __call__(self, state: ServerReqState) -> dict[str, Any]:
-        out = _native_result(state)
+        out = _native_result(state, self.with_text)
         if not self.incremental:
             return out
         chars, tokens = self.sent.get(state.rid, (0, 0))
         self.sent[state.rid] = (len(state.text), len(state.output_ids))
         meta = {k: v[tokens:] if k in self.INCREMENTAL_KEYS else v for k, v in out["meta_info"].items()}
-        return out | {"text": state.text[chars:], "output_ids": out["output_ids"][tokens:], "meta_info": meta}
+        out |= {"text": state.text[chars:]} if self.with_text else {}
+        return out | {"output_ids": out["output_ids"][tokens:], "meta_info": meta}
 
 
 async def _native_stream(manager: ServerTokenizerManager, claim: Claim, shape: NativeChunks) -> AsyncIterator[bytes]:

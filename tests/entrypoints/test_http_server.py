@@ -282,6 +282,23 @@ def test_sglang_s_fields_and_length_errors(server):
     assert unlimited.status_code == 200  # no max_tokens: runs to what the context leaves
 
 
+def test_skip_tokenizer_init_answers_ids_without_a_text_key():
+    """As SGLang's: a server without a tokenizer answers /generate with output_ids and
+    meta_info, no "text" (streamed or not), and refuses a grammar (it needs the vocabulary)."""
+    s = Server("--skip-tokenizer-init")
+    try:
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+        out = httpx.post(f"{s.url}/generate", json=body, timeout=60).json()
+        assert set(out) == {"output_ids", "meta_info"} and len(out["output_ids"]) == 3
+        with httpx.stream("POST", f"{s.url}/generate", json={**body, "stream": True}, timeout=60) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert events and all("text" not in e for e in events) and events[-1]["output_ids"] == out["output_ids"]
+        r = httpx.post(f"{s.url}/generate", timeout=60, json={**body, "sampling_params": {"regex": "a+"}})
+        assert r.status_code == 400 and "--skip-tokenizer-init" in r.text
+    finally:
+        s.stop()
+
+
 def test_timeouts_answer_503_as_sglang():
     """SGLANG_REQ_RUNNING_TIMEOUT honored; a timed-out request is SGLang's 503 error, and
     a stream ends with an error event typed SERVICE_UNAVAILABLE."""
