@@ -104,7 +104,7 @@ def build_app(manager: ServerTokenizerManager, info: ServerInfo, policy: Securit
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, exc: RequestError) -> JSONResponse:
-        return _bad(request, str(exc))
+        return _bad(request, str(exc), oai.param_of(str(exc)))
 
     @app.get("/metrics")
     async def metrics() -> Response:

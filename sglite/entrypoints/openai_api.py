@@ -51,6 +51,18 @@ class OpenAIError(ValueError):
         self.param = param
 
 
+def param_of(message: str) -> str | None:
+    """The OpenAI parameter a gate error names (its message starts with the sampling
+    parameter's name), for the error body's ``param``; None if it names none."""
+    head = message.split(" ", 1)[0].split("[", 1)[0]
+    if head == "invalid":  # a grammar the gate could not parse: "invalid regex: ..."
+        head = message.split(" ", 2)[1].rstrip(":")
+    for key, name in SAMPLING_KEYS.items():
+        if head == name and key not in ("max_completion_tokens",):
+            return key
+    return None
+
+
 def error_body(message: str, param: str | None = None, code: int = 400, kind: str = "BadRequestError") -> dict:
     return {"object": "error", "message": message, "type": kind, "param": param, "code": code}
 
@@ -60,8 +72,11 @@ def sampling_params(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], i
     params: dict[str, Any] = {}
     for key, value in body.items():
         if key in SAMPLING_KEYS:
-            if key in ("max_tokens", "max_completion_tokens") and value == 0 and type(value) is int:
-                raise OpenAIError(f"{key} must be positive", key)  # (SGLang's; /generate takes 0)
+            if key in ("max_tokens", "max_completion_tokens") and value is not None and (
+                    type(value) is not int or value < 1):  # (SGLang's; /generate takes 0)
+                raise OpenAIError(f"{key} must be a positive integer, got {_json_short(value)}", key)
+            if key == "min_tokens" and value is not None and (type(value) is not int or value < 0):
+                raise OpenAIError(f"min_tokens must be a non-negative integer, got {_json_short(value)}", key)
             if value is not None:
                 params[SAMPLING_KEYS[key]] = value
         elif key in UNSUPPORTED:

@@ -346,12 +346,12 @@ BAD = [
     ("/generate", b"not json", "the body is not JSON"),
     ("/generate", {"text": "hi", "sampling_params": {"temperature": "hot"}}, "temperature must be"),
     ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens must be"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens must be positive"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens must be a positive integer, got 0"),
     ("/generate", {"text": ""}, "the prompt is empty"),
     ("/generate", {"input_ids": [10 ** 9]}, "outside the vocabulary"),
     ("/generate", {"text": "hi", "bogus": 1}, "unknown field(s): 'bogus'"),
     ("/generate", {"input_ids": [1] * 3000}, "at most 2042 fit"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_new_tokens must be"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens must be a positive integer, got -1"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature must be >= 0"),
     ("/v1/completions", {"prompt": 5}, "prompt must be"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs must be an integer from 0 to 20"),
@@ -390,6 +390,20 @@ def test_bad_bodies_get_400_with_the_reason(server, route, body, message):
         assert err["object"] == "error" and err["code"] == 400 and message in err["message"], err
     else:
         assert message in err["error"]["message"], err
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"max_tokens": -1}, "max_tokens", "max_tokens must be a positive integer, got -1"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be a positive integer, got 0"),
+    ({"min_tokens": -2}, "min_tokens", "min_tokens must be a non-negative integer, got -2"),
+    ({"temperature": -1}, "temperature", "temperature must be >= 0, got -1"),
+    ({"top_p": 2}, "top_p", "top_p must be in (0, 1], got 2"),
+    ({"regex": "(["}, "regex", "invalid regex: "),
+])
+def test_an_openai_error_names_the_parameter_the_client_sent(server, body, param, message):
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                   json={"messages": [{"role": "user", "content": "hi"}], **body})
+    assert r.status_code == 400 and r.json()["param"] == param and r.json()["message"].startswith(message), r.text
 
 
 def test_native_routes(server):
