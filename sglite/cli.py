@@ -7,7 +7,7 @@ import os
 import sys
 from importlib.metadata import entry_points
 from types import ModuleType
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from sglite.server_args import KNOWN_MODELS, ServerArgs
 
@@ -204,9 +204,19 @@ def _run_serve(args: argparse.Namespace) -> int:
     return launch_server(server_args, serve, viewer_args)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A bad argument is one line naming the command and where its options are listed
+    (argparse printed the whole usage first: 40 lines for generate). Subcommands'
+    parsers are of this class too (add_subparsers makes them of the parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sglite", description="A small SGLang-style inference engine built to be watched.")
+    parser = OneLineParser(prog="sglite", description="A small SGLang-style inference engine built to be watched.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.set_defaults(_commands=sub.choices)  # main() names the command an unknown argument was given to
     _add_generate(sub)
     _add_serve(sub)
     from sglite.replay import add_command as add_replay
@@ -220,7 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # told by the command's parser, not the top-level one
+        args._commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
