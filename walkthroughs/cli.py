@@ -24,8 +24,9 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     items = registry()
     if args.name == "list":
+        width = max(map(len, items)) + 2
         for w in items.values():
-            print(f"{w.name:<18}{w.teaches_zh if args.lang == 'zh' else w.teaches_en}  ({w.seed})")
+            print(f"{w.name:<{width}}{w.teaches_zh if args.lang == 'zh' else w.teaches_en}  ({w.seed})")
         return 0
     w = items[args.name]
     narrator = Narrator(lang=args.lang, out_dir=Path(args.out) / w.name, png=args.png)
@@ -34,5 +35,6 @@ def _run(args: argparse.Namespace) -> int:
     except WalkthroughFailed as e:
         print(f"error: walkthrough {w.name} does not hold: {e}", file=sys.stderr)
         return 1
-    print(f"\n{len(narrator.checks)} checks passed; diagrams in {narrator.out_dir}")
+    print("\n" + narrator.pick(f"{len(narrator.checks)} checks passed; diagrams in {narrator.out_dir}",
+                                 f"{len(narrator.checks)} 项检查全部通过；图在 {narrator.out_dir}"))
     return 0

@@ -37,22 +37,22 @@ class Narrator:
     # its narrator's language, so one run told twice is the two runs told once each
     mirror: "Narrator | None" = None
 
-    def _pick(self, en: str, zh: str) -> str:
+    def pick(self, en: str, zh: str) -> str:
         return zh if self.lang == "zh" else en
 
     def title(self, en: str, zh: str) -> None:
-        text = self._pick(en, zh)
+        text = self.pick(en, zh)
         self.stream.write(f"\n{text}\n{'=' * min(78, len(text) * (2 if self.lang == 'zh' else 1))}\n")
         if self.mirror is not None:
             self.mirror.title(en, zh)
 
     def step(self, en: str, zh: str) -> None:
-        self.stream.write(f"\n## {self._pick(en, zh)}\n")
+        self.stream.write(f"\n## {self.pick(en, zh)}\n")
         if self.mirror is not None:
             self.mirror.step(en, zh)
 
     def say(self, en: str, zh: str) -> None:
-        text = textwrap.dedent(self._pick(en, zh)).strip()
+        text = textwrap.dedent(self.pick(en, zh)).strip()
         for para in text.split("\n\n"):
             if self.lang == "zh":  # no spaces to break at: one line per paragraph, the terminal wraps
                 self.stream.write("".join(line.strip() for line in para.splitlines()) + "\n\n")
@@ -78,7 +78,7 @@ class Narrator:
             self.mirror.table(headers, rows)
 
     def check(self, actual: Any, expected: Any, en: str, zh: str) -> None:
-        what = self._pick(en, zh)
+        what = self.pick(en, zh)
         if actual != expected:
             raise WalkthroughFailed(f"{what}: expected {expected!r}, the engine gave {actual!r}")
         self.checks.append(what)
@@ -102,9 +102,11 @@ class Narrator:
                                                           cleanup=True)
                 made.append(Path(out))
         else:
-            self.stream.write(f"  (graphviz 'dot' not found: wrote {dot_path.name} only)\n")
+            self.stream.write("  " + self.pick(
+                f"(graphviz's dot program is not installed, a system package: wrote {dot_path.name} only)",
+                f"（未安装 graphviz 的 dot 程序（系统软件包）：只写了 {dot_path.name}）") + "\n")
         self.diagrams.extend(made)
-        self.stream.write(f"  diagram: {', '.join(p.name for p in made)}\n")
+        self.stream.write(f"  {self.pick('diagram', '图')}: {', '.join(p.name for p in made)}\n")
         if self.mirror is not None:
             self.mirror.diagram(name, dot_source)
         return made

@@ -48,6 +48,10 @@ def test_cli_list_and_run(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "13 checks passed" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "sglite.cli", "walkthrough", "two-requests", "--lang", "zh", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "13 项检查全部通过" in proc.stdout and "checks passed" not in proc.stdout
+    assert "diagram:" not in proc.stdout and "图: " in proc.stdout
     proc = subprocess.run([sys.executable, "-m", "sglite.cli", "walkthrough", "nope"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "known:" in proc.stderr
