@@ -284,8 +284,12 @@ def _forward_line(e: ev.ForwardFinished, plan: ev.BatchPlanned | None, rid: str)
         return f"iteration {e.iteration}: forward #{e.bid} ({e.forward_mode}) took {ms:.1f} ms", 0.0
     rows = plan.extend_lens[plan.rids.index(rid)]
     share = ms * rows / plan.num_rows
-    return (f"iteration {e.iteration}: forward #{e.bid} ({e.forward_mode}, {plan.num_rows} rows) took {ms:.1f} ms; "
-            f"its {rows} rows ~{share:.1f} ms"), share
+    return (f"iteration {e.iteration}: forward #{e.bid} ({e.forward_mode}, {_rows(plan.num_rows)}) took {ms:.1f} ms; "
+            f"its {_rows(rows)} ~{share:.1f} ms"), share
+
+
+def _rows(n: int) -> str:
+    return f"{n} row" if n == 1 else f"{n} rows"
 
 
 def _describe(e: ev.Event, until: int | None, held_rounds: Counter[str]) -> str:

@@ -313,8 +313,11 @@ class SchedulerObserver:
         # then the grammar_queue: requests whose grammar still compiles (why: grammar)
         waiting += tuple(ev.WaitingRow(r.rid, len(r.origin_input_ids), 0, "grammar")
                          for r in s.grammar_manager.grammar_queue)
+        # the running batch, and the request being chunk-prefilled (in neither queue: admitted,
+        # its prompt not all computed yet; the help says it shows here)
+        chunked = [s.chunked_req] if s.chunked_req is not None and not s.chunked_req.finished() else []
         running = tuple(ev.RunningRow(r.rid, r.seqlen, len(r.output_ids), r.sampling_params.max_new_tokens)
-                        for r in s.running_reqs())
+                        for r in s.running_reqs() + chunked)
         tree: tuple[ev.TreeNodeRow, ...] | None = tuple(s.tree_cache.snapshot())
         if not full_tree:
             changed = tree != self._last_tree

@@ -230,3 +230,12 @@ def test_the_history_keeps_at_most_max_events_the_oldest_requests_going_first():
             history(dataclasses.replace(e, rid=f"q{n}"))  # 7 events a request
     assert history.num_events == sum(len(history.events(f"q{n}")) for n in range(20)) <= 50
     assert [n for n in range(20) if history.events(f"q{n}")] == list(range(13, 20))
+
+
+def test_one_row_is_one_row():
+    from sglite.engine import Engine
+
+    with Engine("tiny-random", log_level="error") as engine:
+        engine.generate(input_ids=[7], sampling_params={"max_new_tokens": 2}, rid="one")
+        text = engine.explain("one")
+    assert "(EXTEND, 1 row) took" in text and "its 1 row ~" in text and "1 rows" not in text

@@ -71,7 +71,8 @@ def test_panels_after_the_first_retract():
             waiting = table_rows(app, "waiting")
             assert [r[0] for r in waiting] == [r.rid for r in sched.waiting_queue]
             assert any(r.is_retracted for r in sched.waiting_queue)
-            assert [r[0] for r in table_rows(app, "running")] == [r.rid for r in sched.running_reqs()]
+            chunked = [sched.chunked_req.rid] if sched.chunked_req is not None else []
+            assert [r[0] for r in table_rows(app, "running")] == [r.rid for r in sched.running_reqs()] + chunked
             plan = table_rows(app, "plan")
             assert [r[0] for r in plan] == [r.rid for r in sched.cur_batch.reqs]
             assert app.query_one("#plan").border_title.startswith(f"iter {sched.iteration} ran #{sched.forward_ct}: "
@@ -168,7 +169,8 @@ def test_views_match_the_scheduler_at_every_iteration(overlap):
         (view,) = [v for kind, evs in conn.drain() if kind == "events" for v in map(builder.apply, evs) if v is not None]
         assert view.iteration == sched.iteration
         assert [(w[0], w[2]) for w in view.waiting] == [(r.rid, len(r.prefix_indices)) for r in sched.waiting_queue]
-        assert [(r[0], r[1]) for r in view.running] == [(r.rid, r.seqlen) for r in sched.running_reqs()]
+        chunked = [sched.chunked_req] if sched.chunked_req is not None else []  # (being chunk-prefilled)
+        assert [(r[0], r[1]) for r in view.running] == [(r.rid, r.seqlen) for r in sched.running_reqs() + chunked]
         batch = sched.cur_batch
         assert [p[0] for p in view.plan] == ([r.rid for r in batch.reqs] if batch else [])
         assert view.plan_rows == (len(batch.input_ids) if batch else 0)
@@ -246,7 +248,8 @@ def test_a_pause_ships_what_ran_before_it():
         time.sleep(0.2)  # nothing runs while paused
         assert [m for m in conn.drain() if m[0] == "events"] == [] and last.iteration == engine.scheduler.iteration and last.has_snapshots
         sched = engine.scheduler
-        assert [r[0] for r in last.running] == [r.rid for r in sched.running_reqs()]
+        chunked = [sched.chunked_req.rid] if sched.chunked_req is not None else []
+        assert [r[0] for r in last.running] == [r.rid for r in sched.running_reqs()] + chunked
         assert [w[0] for w in last.waiting] == [r.rid for r in sched.waiting_queue]
     finally:
         conn.close()
@@ -598,3 +601,16 @@ def test_esc_then_a_key_sent_as_one_alt_key_is_both():
             assert not app.is_running
 
     asyncio.run(scenario())
+
+
+def test_a_request_being_chunk_prefilled_shows_in_the_running_batch():
+    """Admitted, its prompt not all computed: in neither queue of the scheduler, it is a
+    row of running_batch (as the help says), not missing from both panels."""
+    engine = make_engine(chunked_prefill_size=8)
+    host, conn = by_hand(engine)
+    builder = ViewBuilder()
+    rid = engine.submit(input_ids=list(range(3, 40)), sampling_params={"max_new_tokens": 2})
+    host.step()
+    (view,) = [v for kind, evs in conn.drain() if kind == "events" for v in map(builder.apply, evs) if v is not None]
+    assert engine.scheduler.chunked_req is not None and engine.scheduler.chunked_req.rid == rid
+    assert [r[0] for r in view.running] == [rid] and rid not in [w[0] for w in view.waiting]
