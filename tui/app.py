@@ -48,8 +48,8 @@ def pool_lines(v: View, width: int, throughput: float | None) -> list[Text]:
     bar_cache = round(bar_width * v.pool_evictable / max(v.pool_total, 1))
     bar = Text.assemble(("█" * bar_used, "red"), ("▒" * bar_cache, "yellow"), "·" * (bar_width - bar_used - bar_cache))
     stop = ADMISSION_WORDS.get(v.admission_stop, v.admission_stop) if v.admission_stop else "-"
-    if v.admission_stop and width >= 36:
-        stop += f" ({v.admission_stop})"
+    if v.admission_stop and width >= 36:  # SGLang's code (the retraction variant is sglite's words only)
+        stop += f" ({v.admission_stop.removesuffix('_THEN_RETRACT')})"
     return [bar] + [Text(line) for line in (
         f"used {used} free {v.pool_free}", f"cached {v.pool_evictable} usage {v.token_usage:.2f}",
         f"hit {v.cache_hit_rate:.2f} retracted {v.retractions}", f"new_token_ratio {v.new_token_ratio:.3f}",

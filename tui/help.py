@@ -72,7 +72,8 @@ PANELS = [
     ("  admit: ...", "why admission stopped this round: queue empty (EMPTY_QUEUE), KV pool full (NO_TOKEN), "
                      "prefill budget spent (OTHER: max_prefill_tokens or the chunk), max running reqs "
                      "(MAX_RUNNING_REQUESTS), waits on a shared prefix (IN_BATCH_PREFIX_WAIT), a failed round's "
-                     "requests re-run one at a time (FAILED_ROUND_TRIAL)",
+                     "requests re-run one at a time (FAILED_ROUND_TRIAL); 'queue was empty; then retraction refilled "
+                     "it': the round's decode retracted requests after admission found nothing to admit",
      "PrefillAdder, AddReqResult"),
     ("  miss: ...", "prompt tokens computed so far, by why the radix cache did not serve them: new (nothing "
                     "cached starts like it), past (beyond the part the cache shares), evicted (LRU took them), "

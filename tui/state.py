@@ -20,7 +20,10 @@ LOG_KEEP = 200
 # why admission stopped (AdmissionStopped.reason) in plain words
 ADMISSION_WORDS = {"EMPTY_QUEUE": "queue empty", "NO_TOKEN": "KV pool full", "OTHER": "prefill budget spent",
                    "MAX_RUNNING_REQUESTS": "max running reqs", "IN_BATCH_PREFIX_WAIT": "waits on a shared prefix",
-                   "FAILED_ROUND_TRIAL": "a failed round's requests re-run one at a time"}
+                   "FAILED_ROUND_TRIAL": "a failed round's requests re-run one at a time",
+                   # (sglite's, not an AddReqResult) the queue was empty at admission, then the
+                   # round's decode retracted requests into it
+                   "EMPTY_QUEUE_THEN_RETRACT": "queue was empty; then retraction refilled it"}
 # the budget that held a waiting request (ReqHeld.budget), as the waiting_queue shows it
 HELD_WORDS = {"rem_total_tokens": "pool", "rem_input_tokens": "prefill", "rem_chunk_tokens": "chunk",
               "max_running_requests": "max run", "in_batch_prefix": "prefix", "not_reached": "order",
@@ -267,6 +270,8 @@ class ViewBuilder:
             self.add_log(it, f"[cyan]chunk[/] {short_rid(e.rid)} #{e.chunk_index} {e.computed_len}/{e.total_len}")
         elif isinstance(e, ev.ReqRetracted):
             self.retractions += 1
+            if self.admission_stop == "EMPTY_QUEUE":  # (admission ran before this round's retraction)
+                self.admission_stop = "EMPTY_QUEUE_THEN_RETRACT"
             self.queued_at[e.rid] = it
             r.retracted.append(it)
             r.timeline.append((it, f"retracted at {e.output_tokens} tokens ({e.kept_tokens} stay cached, "

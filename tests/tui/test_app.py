@@ -614,3 +614,18 @@ def test_a_request_being_chunk_prefilled_shows_in_the_running_batch():
     (view,) = [v for kind, evs in conn.drain() if kind == "events" for v in map(builder.apply, evs) if v is not None]
     assert engine.scheduler.chunked_req is not None and engine.scheduler.chunked_req.rid == rid
     assert [r[0] for r in view.running] == [rid] and rid not in [w[0] for w in view.waiting]
+
+
+def test_admit_says_the_queue_was_empty_then_refilled_when_a_round_retracts():
+    """Admission found the queue empty, then the same round's decode retracted requests
+    into it: the pool panel must not say just "queue empty" beside a full queue."""
+    engine = make_engine()
+    host, conn = by_hand(engine)
+    builder = ViewBuilder()
+    for _ in range(500):
+        host.step()
+        views = [v for kind, evs in conn.drain() if kind == "events" for v in map(builder.apply, evs) if v is not None]
+        if views and views[-1].admission_stop == "EMPTY_QUEUE_THEN_RETRACT":
+            assert views[-1].waiting and views[-1].retractions > 0
+            return
+    pytest.fail("no round retracted into an empty queue")
