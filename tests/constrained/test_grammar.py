@@ -199,3 +199,21 @@ def test_compiles_run_off_the_calling_thread():
     compiled(GrammarManager(b), req("a", regex="x"))
     assert seen and seen[0].startswith("sglite-grammar")
     assert isinstance(InvalidGrammarObject("x").copy(), InvalidGrammarObject)
+
+
+STRUCTURAL_TAG = json.dumps({"type": "structural_tag", "triggers": ["<function="], "structures": [
+    {"begin": "<function=get_weather>", "end": "</function>",
+     "schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]})
+
+
+def test_a_structural_tag_holds_the_text_after_its_trigger_to_the_schema():
+    """SGLang's structural_tag (xgrammar's structures + triggers): free text, but once the
+    trigger is written what follows is the tag's begin, JSON of its schema, and its end."""
+    build_grammar(("structural_tag", STRUCTURAL_TAG))  # the gate's check passes
+    (r,) = compiled(GrammarManager(backend()), req("r", structural_tag=STRUCTURAL_TAG))
+    for t in tokens('I will look. <function=get_weather>{"city": "Paris"}</function>'):
+        r.grammar.accept_token(t)
+    (bad,) = compiled(GrammarManager(backend()), req("bad", structural_tag=STRUCTURAL_TAG))
+    with pytest.raises(ValueError, match="does not allow"):
+        for t in tokens('<function=get_weather>{"town": 1}'):
+            bad.grammar.accept_token(t)
