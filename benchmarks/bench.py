@@ -9,11 +9,14 @@ plots under benchmarks/results/.
     sglite bench                                  # every workload, the default ablations
     sglite bench --quick                          # small sizes: a few minutes
     sglite bench --workload shared-prefix --ablations radix-off,trace-2
+    sglite bench --workload json-schema --no-roofline  # what a JSON schema costs per decode step
     python benchmarks/bench.py --quick --skip-baseline
 
 Each configuration runs in its own process (so peak memory is its own), warms up,
-then runs the whole workload, all requests submitted at once. docs/benchmarks.md
-defines every number.
+then runs the whole workload, all requests submitted at once. A grammar workload
+(json-schema) runs sglite alone: constrained against the same requests unconstrained,
+in alternating pairs in one process (benchmarks/grammar.py). docs/benchmarks.md defines
+every number.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,6 +41,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: python benchmarks/bench.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import grammar  # noqa: E402
 from benchmarks.report import (  # noqa: E402
     LLAMA_TYPES, Row, compare_to_baseline, markdown_table, median_run, summarize, write_plots)
 from benchmarks.workloads import WORKLOADS, Workload, build_workload  # noqa: E402
@@ -89,7 +94,8 @@ ABLATIONS = [
                                                                           "one-chat")),
 ]
 
-ALL_WORKLOADS = tuple(WORKLOADS)
+# the throughput workloads: the peers run these; a grammar workload is sglite's alone
+ALL_WORKLOADS = tuple(n for n, w in WORKLOADS.items() if not w.paired)
 
 
 @dataclass(frozen=True)
@@ -140,7 +146,9 @@ def epilog() -> str:
         what = ", ".join(f"{k}={v}" for k, v in a.server_args.items()) or f"spans to a JSONL file at level {a.trace_level}"
         where = f"default: {', '.join(a.workloads)}" if a.default else "not in the default run"
         lines.append(f"  {a.name:<16}{what}  [{where}]")
-    lines += ["", "Results: benchmarks/results/bench-DATE.md (+ .json, -throughput.png, -latency-WORKLOAD.png).",
+    lines += ["", "A grammar workload (json-schema) runs sglite only (ablations too): each of its levels (batch 1, "
+              "batch N) constrained and unconstrained in --pairs alternating pairs in one process, per decode step.",
+              "", "Results: benchmarks/results/bench-DATE.md (+ .json, -throughput.png, -latency-WORKLOAD.png).",
               "See docs/benchmarks.md for what each number means."]
     return "\n".join(lines)
 
@@ -171,10 +179,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the workloads' prompts")
     p.add_argument("--roofline", action=argparse.BooleanOptionalAction, default=None,
                    help="measure the machine's matmul peak and read bandwidth and put sglite's decode against "
-                        "them (about a minute; default: on, off with --quick)")
+                        "them (about a minute; default: on, off with --quick or with only a grammar workload)")
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run every configuration N times, interleaved (A, B, A, B, ...) so a machine whose speed "
                         "drifts slows every configuration alike; each row is the median run (default: 1)")
+    p.add_argument("--pairs", type=int, default=grammar.PAIRS, metavar="N",
+                   help="a grammar workload (json-schema): alternating pairs, constrained then unconstrained, of "
+                        f"each level in one process; its ratios are the pairs' medians (default: {grammar.PAIRS})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -228,8 +239,10 @@ def select_peers(spec: str) -> set[str]:
     return set(PEER_GROUPS) if "all" in tokens else tokens
 
 
-def plan(workloads: list[Workload], chosen: dict[str, str], peers: set[str],
-         dtype: str) -> tuple[list[Run], list[str]]:
+def plan(workloads: list[Workload], chosen: dict[str, str], peers: set[str], dtype: str,
+         pairs: int = grammar.PAIRS) -> tuple[list[Run], list[str]]:
+    """Every configuration of every workload. A grammar workload runs sglite's grammar
+    runner (its ablations too, with ``pairs`` alternating pairs) and no peer."""
     runs: list[Run] = []
     notes: list[str] = []
     ablations = [a for a in ABLATIONS if a.name in chosen]
@@ -239,14 +252,15 @@ def plan(workloads: list[Workload], chosen: dict[str, str], peers: set[str],
             notes.append(f"ablation {a.name} skipped: {why}")
     for wl in workloads:
         base = {"max_total_tokens": wl.pool_tokens(), "dtype": dtype, **wl.server_args}
-        runs.append(Run(wl, "sglite", "sglite", base))
+        engine, settings = ("sglite-grammar", {"pairs": pairs}) if wl.paired else ("sglite", {})
+        runs.append(Run(wl, "sglite", engine, base, settings=settings))
         for a in ablations:
             if ablation_unavailable(a) or not (chosen[a.name] == "every" or wl.name in a.workloads):
                 continue
             args = {**base, **a.server_args}
             if _effective(args) == _effective(base) and not a.trace_level:
                 continue  # the workload already runs this way: the sglite row is it
-            runs.append(Run(wl, a.label, "sglite", args, a.trace_level))
+            runs.append(Run(wl, a.label, engine, args, a.trace_level, settings))
         runs += [Run(wl, p.label, p.engine, settings=p.settings) for p in PEERS
                  if p.group in peers and wl.name in p.workloads]
     return runs, notes
@@ -301,6 +315,8 @@ def run_one(run: Run, model_path: str, threads: int, batch_sizes: list[int], pad
             "prompts": run.workload.prompts, "output_lens": run.workload.output_lens,
             "server_args": run.server_args, "trace_level": run.trace_level,
             "batch_sizes": batch_sizes, "pad_id": pad_id, **run.settings}
+    if run.workload.paired:
+        spec.update(sampling=run.workload.sampling, levels=run.workload.grammar_levels)
     spec_path, out_path = tmp / f"spec-{index}.json", tmp / f"result-{index}.json"
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
@@ -511,17 +527,22 @@ def roofline_lines(results: dict[str, tuple[Workload, list[Row]]], roof: dict[st
     return lines + [""]
 
 
-def write_document(results: dict[str, tuple[Workload, list[Row]]], run_args: dict[str, dict[str, dict[str, Any]]],
-                   out_dir: Path, stem: str, command: str, threads: int, quick: bool, notes: list[str],
-                   roof: dict[str, Any] | None = None) -> Path:
-    plots, plot_note = write_plots(results, out_dir, stem)
-    date = datetime.date.today().isoformat()
-    commit = git_commit()
+def document_intro(results: dict[str, tuple[Workload, list[Row]]], threads: int, command: str, quick: bool,
+                   date: str, commit: str) -> list[str]:
+    """Title, machine, command and how the rows were measured (the throughput
+    workloads' paragraph only where one ran; a grammar workload's is in its section)."""
+    paired_only = all(wl.paired for wl, _ in results.values())
+    title = "sglite: what constrained output costs per decode step" if paired_only else \
+        "sglite vs transformers and llama.cpp"
     lines = [
-        f"# sglite vs transformers and llama.cpp{' (quick run)' if quick else ''}, {date}", "",
+        f"# {title}{' (quick run)' if quick else ''}, {date}", "",
         f"Machine: {machine_line(threads)}.", "",
         "```", f"$ {command}", "```", "",
         f"sglite {commit}. " if commit else "",
+    ]
+    if paired_only:
+        return lines + ["[docs/benchmarks.md](../../docs/benchmarks.md) defines every column.", ""]
+    return lines + [
         "Every request of a workload is submitted at once; greedy (temperature 0) with EOS ignored, so every "
         "engine generates exactly each request's output length; the same weights (the GGUF, dequantized, in the "
         "dtype a row names: sglite's main row runs --dtype auto; llama.cpp's F32 and BF16 files are the same "
@@ -531,10 +552,23 @@ def write_document(results: dict[str, tuple[Workload, list[Row]]], run_args: dic
         "[docs/benchmarks.md](../../docs/benchmarks.md) defines every column.",
         "",
     ]
+
+
+def write_document(results: dict[str, tuple[Workload, list[Row]]], run_args: dict[str, dict[str, dict[str, Any]]],
+                   out_dir: Path, stem: str, command: str, threads: int, quick: bool, notes: list[str],
+                   roof: dict[str, Any] | None = None) -> Path:
+    throughput = {name: v for name, v in results.items() if not v[0].paired}  # a grammar workload has no plots
+    plots, plot_note = write_plots(throughput, out_dir, stem) if throughput else ([], "")
+    date = datetime.date.today().isoformat()
+    commit = git_commit()
+    lines = document_intro(results, threads, command, quick, date, commit)
     goals = goal_lines(results, quick) + peer_goal_lines(results, roof)
     if goals:
         lines += ["Goals:", "", *goals, ""]
     for name, (wl, rows) in results.items():
+        if wl.paired:
+            lines += grammar.section(wl, rows, _cli_flags(run_args.get(name, {}).get("sglite", {})))
+            continue
         lines += workload_header(wl, rows, run_args.get(name, {}))
         lines += [markdown_table(rows), ""]
         lines += [f"![{p.stem}]({p.name})" for p in plots if p.stem.endswith(f"latency-{name}")]
@@ -569,7 +603,8 @@ def check_args(args: argparse.Namespace) -> list[int]:
     the transformers batch sizes to try."""
     from sglite.cli import check_model_path
 
-    for flag, value in (("--repeat", args.repeat), ("--requests", args.requests), ("--threads", args.threads)):
+    for flag, value in (("--repeat", args.repeat), ("--requests", args.requests), ("--threads", args.threads),
+                        ("--pairs", args.pairs)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
     check_model_path(args.model_path)
@@ -586,17 +621,33 @@ def check_args(args: argparse.Namespace) -> list[int]:
     return sizes
 
 
-def resolve_dtype_and_peers(args: argparse.Namespace) -> tuple[str, set[str], list[str]]:
+def resolve_dtype_and_peers(args: argparse.Namespace, names: list[str]) -> tuple[str, set[str], list[str]]:
     """sglite's dtype (what --dtype resolves to here), the peer groups that can run, and
-    a note for each wanted one that cannot (said now, and put under the tables)."""
+    a note for each wanted one that cannot (said now, and put under the tables). A peer
+    group with no configuration on the selected workloads is not wanted (json-schema
+    alone builds no llama.cpp)."""
     from sglite.model_executor.model_runner import resolve_dtype
     from sglite.server_args import resolve_device
 
     dtype = str(resolve_dtype(args.dtype, resolve_device("auto"))).removeprefix("torch.")
-    peers, notes = available_peers(set() if args.skip_baseline else select_peers(args.peers), args.model_path)
+    wanted = set() if args.skip_baseline else select_peers(args.peers)
+    wanted &= {p.group for p in PEERS if set(p.workloads) & set(names)}
+    peers, notes = available_peers(wanted, args.model_path)
     for n in notes:
         say(f"note: {n}")
     return dtype, peers, notes
+
+
+def progress_line(row: Row, took: float) -> str:
+    if not row.ok:
+        return f"      -> failed: {row.error}"
+    levels = row.details.get("levels")
+    if levels is not None:  # a grammar row
+        return f"      -> {took:.0f} s: " + "; ".join(
+            f"batch {lv['batch']}: constrained / unconstrained {statistics.median(lv['ratios']):.3f}× per decode "
+            "step" for lv in levels)
+    return (f"      -> {took:.0f} s: {row.output_tok_s:.1f} output tok/s, TTFT p50 {row.ttft_p50:.2f} s, "
+            f"ITL p50 {row.itl_p50_ms:.0f} ms, peak {row.peak_rss_mb:.0f} MB")
 
 
 def run_plan(runs: list[Run], workloads: list[Workload], args: argparse.Namespace, sizes: list[int], threads: int,
@@ -614,14 +665,10 @@ def run_plan(runs: list[Run], workloads: list[Workload], args: argparse.Namespac
             say(f"[{i}/{len(order)}] {r.workload.name} · {r.label}{which}  ({time.monotonic() - tic:.0f} s so far)")
             t = time.monotonic()
             res = run_one(r, args.model_path, threads, sizes, pad_id, Path(tmp), i)
-            row = summarize(r.label, r.engine, r.workload, res)
+            row = (grammar.summarize if r.workload.paired else summarize)(r.label, r.engine, r.workload, res)
             runs_of[id(r)].append(row)
             run_args[r.workload.name][r.label] = r.server_args
-            if row.ok:
-                say(f"      -> {time.monotonic() - t:.0f} s: {row.output_tok_s:.1f} output tok/s, TTFT p50 "
-                    f"{row.ttft_p50:.2f} s, ITL p50 {row.itl_p50_ms:.0f} ms, peak {row.peak_rss_mb:.0f} MB")
-            else:
-                say(f"      -> failed: {row.error}")
+            say(progress_line(row, time.monotonic() - t))
     for r in runs:
         results[r.workload.name][1].append(median_run(runs_of[id(r)]))
     return results, run_args
@@ -637,7 +684,7 @@ def run(args: argparse.Namespace, prog: str = "python benchmarks/bench.py", argv
     names = list(WORKLOADS) if not args.workload or "all" in args.workload else list(dict.fromkeys(args.workload))
     chosen = select_ablations(args.ablations)
     threads = args.threads or torch.get_num_threads()
-    dtype, peers, notes = resolve_dtype_and_peers(args)
+    dtype, peers, notes = resolve_dtype_and_peers(args, names)
 
     try:
         model = load_model(args.model_path)  # downloads / converts once, before anything is timed
@@ -651,7 +698,7 @@ def run(args: argparse.Namespace, prog: str = "python benchmarks/bench.py", argv
         return 1
     workloads = [build_workload(n, tok, cfg.vocab_size, cfg.context_len, args.requests, args.quick, args.seed)
                  for n in names]
-    runs, plan_notes = plan(workloads, chosen, peers, dtype)
+    runs, plan_notes = plan(workloads, chosen, peers, dtype, args.pairs)
     notes += plan_notes
     pad_id = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
 
@@ -669,7 +716,8 @@ def run(args: argparse.Namespace, prog: str = "python benchmarks/bench.py", argv
     for wl, rows in results.values():
         compare_to_baseline(rows, next((r for r in rows if r.engine == "transformers"), None))
     roof = None
-    if args.roofline if args.roofline is not None else not args.quick:
+    # default: on, but not for --quick nor for grammar workloads alone (nothing to put against it)
+    if args.roofline if args.roofline is not None else not (args.quick or all(wl.paired for wl in workloads)):
         say(f"roofline: the machine's matmul peak and read bandwidth ({time.monotonic() - tic:.0f} s so far)")
         roof = measure_roofline(threads)
         if roof is None:

@@ -6,7 +6,8 @@ llama-cpp-python), the model, the prompts
 (token ids) and output lengths, and the engine's settings. Every engine loads the
 model, warms up on a small batch, then runs the whole workload once, timed; the result
 holds each request's output ids, its time to first token, the gaps between its tokens,
-and the process's peak resident memory.
+and the process's peak resident memory. (sglite-grammar, a grammar workload's engine,
+returns per-step times instead: benchmarks/grammar.py.)
 """
 
 from __future__ import annotations
@@ -382,8 +383,16 @@ def run_llama_cpp(spec: dict[str, Any], say: Say) -> dict[str, Any]:
             "details": {"weights": "GGUF as stored (quantized)", "dtype": "Q4_1"}}
 
 
+def run_sglite_grammar(spec: dict[str, Any], say: Say) -> dict[str, Any]:
+    """A grammar workload: constrained against unconstrained (benchmarks/grammar.py)."""
+    from benchmarks import grammar
+
+    return grammar.run(spec, say)
+
+
 RUNNERS = {"sglite": run_sglite, "transformers": run_transformers, "llama.cpp": run_llama_cpp,
-           "llama-server": run_llama_server, "llama-batched-bench": run_llama_batched_bench}
+           "llama-server": run_llama_server, "llama-batched-bench": run_llama_batched_bench,
+           "sglite-grammar": run_sglite_grammar}
 
 
 def run_spec(spec: dict[str, Any]) -> dict[str, Any]:

@@ -8,10 +8,15 @@ benchmark); every request generates exactly its output length (greedy, EOS ignor
   and output lengths) scaled to a 2-core CPU.
 - ``long-prompts``: long documents interleaved with short chats, so chunked prefill
   and mixed batches decide how long the short ones wait.
+- ``json-schema``: chats that each carry a JSON schema (constrained output), a *grammar*
+  workload: not a throughput table against the peers but the grammar's cost per decode
+  step, constrained against the same requests unconstrained, in one process
+  (benchmarks/grammar.py).
 """
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
@@ -33,9 +38,19 @@ class Workload:
     name: str
     title: str  # one line: what the requests look like
     prompts: list[list[int]]
-    output_lens: list[int]
+    output_lens: list[int]  # exact (EOS ignored); a grammar workload's: caps (its outputs end where the JSON closes)
     # sglite server arguments this workload runs with (on top of a pool sized for it)
     server_args: dict[str, Any] = field(default_factory=dict)
+    # a grammar workload: each request's grammar parameter ({"json_schema": ...}), and
+    # its levels, (batch size, requests): the first `requests` requests run one at a
+    # time (batch 1) or all at once (batch = requests), constrained and not, alternating
+    sampling: list[dict[str, Any]] | None = None
+    grammar_levels: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def paired(self) -> bool:
+        """A grammar workload (benchmarks/grammar.py), not a throughput one."""
+        return bool(self.grammar_levels)
 
     @property
     def num_requests(self) -> int:
@@ -215,11 +230,86 @@ def long_prompts(tok: TokenizerLike, vocab_size: int, n: int, long_len: tuple[in
     )
 
 
+# the grammar workload: a question and the schema of its answer. Every schema bounds its
+# output (enum, maxLength, bounded integers, maxItems, no additional properties), so a
+# constrained output closes well before its cap
+def _object(props: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+def _text(n: int) -> dict[str, Any]:
+    return {"type": "string", "maxLength": n}
+
+
+def _int(lo: int, hi: int) -> dict[str, Any]:
+    return {"type": "integer", "minimum": lo, "maximum": hi}
+
+
+_JSON_ASKS: list[tuple[str, dict[str, Any]]] = [
+    ("Pick a T-shirt color, size and fit.",
+     _object({"color": {"enum": ["red", "green", "blue"]}, "size": {"type": "string", "enum": ["S", "M", "L"]},
+              "fit": {"enum": ["slim", "regular", "loose"]}})),
+    ("Describe a fictional person: a name, an age and a city.",
+     _object({"name": _text(20), "age": _int(0, 120), "city": _text(20)})),
+    ("Give a short weather report for a city.",
+     _object({"city": _text(20), "temperature_c": _int(-50, 50),
+              "condition": {"enum": ["sunny", "cloudy", "rainy", "snowy"]}})),
+    ("Recommend a classic novel.", _object({"title": _text(40), "author": _text(30), "year": _int(1000, 2025)})),
+    ("Write a short shopping list for a picnic.",
+     _object({"items": {"type": "array", "items": _text(15), "minItems": 3, "maxItems": 4}})),
+    ("Order some camping gear.",
+     _object({"product": {"enum": ["tent", "backpack", "stove", "boots"]}, "quantity": _int(1, 10),
+              "express": {"type": "boolean"}})),
+    ("Review a hiking backpack in one line.",
+     _object({"rating": _int(1, 5), "summary": {**_text(40), "minLength": 20}})),
+    ("Plan a team event for next week.",
+     _object({"event": _text(30), "attendees": _int(1, 100), "day": {"enum": ["Mon", "Tue", "Wed", "Thu", "Fri"]}})),
+]
+_JSON_LEADS = ["", "Please answer in JSON. ", "Quick task: ", "For a demo app: ", "Make it up. ", "Be brief. ",
+               "We need example data. ", "One more, please. "]
+
+
+def _user_chat(tok: TokenizerLike, text: str) -> list[int]:
+    """One user message in the model's chat template (plain text without one)."""
+    try:
+        rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    except (ValueError, TypeError, KeyError):
+        rendered = f"Question: {text}\nAnswer:"
+    return tok.encode(rendered)
+
+
+def json_schema(tok: TokenizerLike, n: int, new_tokens: int, alone: int) -> Workload:
+    """n chats, each asking one of the questions with its schema as ``json_schema``;
+    request i asks question i mod 8 (the first 8: every schema once), with a lead-in
+    that makes the prompts differ. Levels: batch 1 (the first ``alone`` requests, one at
+    a time) and batch n (all at once)."""
+    prompts, sampling = [], []
+    for i in range(n):
+        question, schema = _JSON_ASKS[i % len(_JSON_ASKS)]
+        lead = _JSON_LEADS[i // len(_JSON_ASKS) % len(_JSON_LEADS)]
+        more = f" (request {i + 1})" if i >= len(_JSON_ASKS) * len(_JSON_LEADS) else ""
+        prompts.append(_user_chat(tok, lead + question + more))
+        sampling.append({"json_schema": json.dumps(schema)})
+    alone = min(alone, n)
+    return Workload(
+        "json-schema",
+        f"{n} chat requests, each with a JSON schema ({len(_JSON_ASKS)} kinds, bounded: enums, maxLength, "
+        f"bounded integers, maxItems), at most {new_tokens} new tokens, greedy; batch 1 ({alone} requests one "
+        f"at a time) and batch {n} (all at once), each against the same requests unconstrained",
+        prompts, [new_tokens] * n,
+        # no free whitespace between JSON tokens: with it allowed, SmolLM2 pads one of the
+        # eight schemas with newlines up to the cap (and tiny-random, any of them)
+        server_args={"constrained_json_disable_any_whitespace": True},
+        sampling=sampling, grammar_levels=tuple(dict.fromkeys(((1, alone), (n, n)))),
+    )
+
+
 @dataclass(frozen=True)
 class WorkloadSpec:
     name: str
     help: str
     build: Callable[[TokenizerLike, int, int | None, bool, int], Workload]
+    paired: bool = False  # a grammar workload: sglite alone, constrained against unconstrained
 
 
 def _shared(tok: TokenizerLike, vocab: int, n: int | None, quick: bool, seed: int) -> Workload:
@@ -247,12 +337,19 @@ def _one_chat(tok: TokenizerLike, vocab: int, n: int | None, quick: bool, seed: 
     return wl
 
 
+def _json(tok: TokenizerLike, vocab: int, n: int | None, quick: bool, seed: int) -> Workload:
+    """The grammar workload (its prompts are fixed: the seed does not enter)."""
+    return json_schema(tok, n or (16 if quick else 64), 48 if quick else 64, 8)
+
+
 WORKLOADS: dict[str, WorkloadSpec] = {w.name: w for w in [
     WorkloadSpec("shared-prefix", "64 chats sharing a 300-token system prompt, 64 new tokens each", _shared),
     WorkloadSpec("random-lengths", "32 requests, random inputs 50-500 and outputs 20-200 tokens", _random),
     WorkloadSpec("long-prompts", "3 documents of 1024-2048 tokens interleaved with 3 short chats", _long),
     WorkloadSpec("one-chat", "one chat of the shared-prefix kind alone, 64 new tokens: TTFT and batch-1 decode",
                  _one_chat),
+    WorkloadSpec("json-schema", "64 chats with a JSON schema each: the grammar's cost per decode step at batch 1 "
+                 "and 64, against the same requests unconstrained (sglite only)", _json, paired=True),
 ]}
 
 

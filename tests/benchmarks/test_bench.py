@@ -1,16 +1,18 @@
 """`sglite bench` end to end on tiny-random (a few requests, each configuration in its
 own process, transformers on the same tiny weights when installed): the table's
-columns, consistent numbers, the plots. No timing is asserted."""
+columns, consistent numbers, the plots; the grammar workload's row (constrained against
+unconstrained, alternating pairs). No timing is asserted."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 import sys
 
 import pytest
 
-from benchmarks import bench
+from benchmarks import bench, grammar
 from benchmarks.report import COLUMNS, Row, median_run, parse_markdown_table, write_plots
 from benchmarks.workloads import build_workload, distinct_prefix_tokens
 from sglite.model_loader import load_model
@@ -91,6 +93,51 @@ def test_bench_end_to_end_on_tiny_random(tmp_path):
         assert all(f"]({p})" in md for p in data["plots"])
 
 
+def test_json_schema_workload_is_bounded_schemas_and_runs_sglite_alone(tiny_tokenizer):
+    wl = build_workload("json-schema", tiny_tokenizer, 512, 2048)
+    assert wl.paired and wl.num_requests == 64 and wl.grammar_levels == ((1, 8), (64, 64))
+    assert len({tuple(p) for p in wl.prompts}) == 64  # distinct prompts
+    schemas = [json.loads(s["json_schema"]) for s in wl.sampling]
+    assert len({json.dumps(s) for s in schemas[:8]}) == 8 and schemas[8:16] == schemas[:8]  # batch 1: each once
+    assert all(s["additionalProperties"] is False and set(s["required"]) == set(s["properties"]) for s in schemas)
+    assert wl.server_args == {"constrained_json_disable_any_whitespace": True}
+    assert "json-schema" not in bench.ALL_WORKLOADS and not build_workload("one-chat", tiny_tokenizer, 512, 2048).paired
+    runs, _ = bench.plan([wl], bench.select_ablations("default"), {"transformers", "llama.cpp"}, "float32", pairs=3)
+    assert [(r.label, r.engine, r.settings) for r in runs] == [("sglite", "sglite-grammar", {"pairs": 3})]
+    runs, _ = bench.plan([wl], bench.select_ablations("overlap-on"), set(), "float32")
+    assert [r.label for r in runs] == ["sglite", "sglite, overlap loop"] and runs[1].engine == "sglite-grammar"
+
+
+def test_grammar_row_end_to_end_on_tiny_random(tmp_path, capfd):
+    argv = ["--model-path", "tiny-random", "--quick", "--workload", "json-schema", "--requests", "2",
+            "--ablations", "none", "--peers", "transformers", "--pairs", "2", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    # the worker process prints the pairs (to file descriptor 2: capfd, not capsys)
+    progress = [ln.strip() for ln in capfd.readouterr().err.splitlines() if ": batch " in ln and "pair" in ln]
+    assert [ln.split(": constrained")[0] for ln in progress] == [
+        f"sglite: batch {b}, pair {i}/2" for b in (1, 2) for i in (1, 2)]
+
+    md = next(tmp_path.glob("bench-quick-json-schema-*.md")).read_text()
+    assert "Machine: " in md and "--constrained-json-disable-any-whitespace" in md
+    table = parse_markdown_table(md[md.index("| config |"):])
+    assert list(table[0]) == grammar.COLUMNS
+    assert [(r["config"], r["batch"], r["requests"]) for r in table] == [("sglite", "1", "2"), ("sglite", "2", "2")]
+    assert not list(tmp_path.glob("*.png"))  # a grammar workload has no plots (and no peer ran)
+
+    data = json.loads(next(tmp_path.glob("bench-quick-json-schema-*.json")).read_text())
+    rows = data["workloads"]["json-schema"]["rows"]
+    assert [(r["label"], r["engine"], r["ok"], r["lengths_ok"]) for r in rows] == [
+        ("sglite", "sglite-grammar", True, True)]
+    for lv, cells in zip(rows[0]["details"]["levels"], table):
+        assert len(lv["constrained_s"]) == len(lv["unconstrained_s"]) == len(lv["ratios"]) == 2
+        assert min(lv["constrained_s"] + lv["unconstrained_s"]) > 0 and lv["steps"] > 0
+        assert lv["ratios"] == [c / u for c, u in zip(lv["constrained_s"], lv["unconstrained_s"])]
+        # batch 1: every decode step of 2 requests one at a time (the first token is the prefill's)
+        assert lv["batch"] > 1 or lv["steps"] == lv["output_tokens"] - 2
+        assert cells["valid JSON"] == f"{lv['valid_json']}/2" and cells["decode steps / run"] == str(lv["steps"])
+        assert cells["constrained / unconstrained"] == f"{statistics.median(lv['ratios']):.3f}×"
+
+
 def test_repeated_runs_are_interleaved_and_the_median_run_is_reported(tmp_path, capsys):
     argv = ["--model-path", "tiny-random", "--quick", "--workload", "random-lengths", "--requests", "2",
             "--ablations", "radix-off", "--skip-baseline", "--repeat", "2", "--out", str(tmp_path)]
@@ -147,7 +194,7 @@ def test_cli_help_lists_workloads_and_options(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     out = capsys.readouterr().out
-    for word in ("shared-prefix", "random-lengths", "long-prompts", "one-chat", "--quick", "--skip-baseline",
-                 "--peers", "--dtype", "--roofline", "--ablations",
+    for word in ("shared-prefix", "random-lengths", "long-prompts", "one-chat", "json-schema", "--quick",
+                 "--skip-baseline", "--peers", "--dtype", "--roofline", "--ablations", "--pairs",
                  "--requests", "--out", "radix-off", "trace-2"):
         assert word in out
