@@ -231,8 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    commands = vars(args).pop("_commands")  # (parsers: args travel to other processes, pickled)
     if unknown:  # told by the command's parser, not the top-level one
-        args._commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+        commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
