@@ -120,11 +120,11 @@ def test_bfloat16_logits_match_transformers_bfloat16(hf, gguf_path):
 def test_greedy_continuations_match_transformers(hf, engine):
     model, tok = hf
     prompts = PROMPTS + [tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)]
-    outs = engine.generate(prompts, sampling_params={"max_new_tokens": 32, "temperature": 0})
+    outs = engine.generate(prompts, sampling_params={"max_new_tokens": 20, "temperature": 0})
     for prompt, out in zip(prompts, outs):
         ids = tok.encode(prompt, add_special_tokens=False)
         with torch.no_grad():
-            ref = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
                                  eos_token_id=2, pad_token_id=2)[0, len(ids):].tolist()
         assert out["output_ids"] == ref, prompt
 
