@@ -103,16 +103,6 @@ class WidthLines(TextLines):
         self.draw = draw
         self.set_lines(draw(self.size.width))
 
-    def _visible_columns(self) -> list[int]:
-        """The columns shown: all, less the hideable ones (in order) while a row is wider
-        than the panel."""
-        keep = list(range(len(self.columns)))
-        for name in self.hideable:
-            if sum(self._widths[j] for j in keep) + len(keep) - 1 <= self.size.width:
-                break
-            keep.remove(self.columns.index(name))
-        return keep
-
     def on_resize(self) -> None:
         if self.draw is not None:
             self.set_lines(self.draw(self.size.width))
@@ -140,16 +130,6 @@ class TextSparkline(TextLines):
         bars = "".join(self.BARS[max(1, min(levels, round(levels * v / peak)))] if peak > 0 else self.BARS[1]
                        for v in shown)
         self.set_lines([Text(bars.rjust(width))])
-
-    def _visible_columns(self) -> list[int]:
-        """The columns shown: all, less the hideable ones (in order) while a row is wider
-        than the panel."""
-        keep = list(range(len(self.columns)))
-        for name in self.hideable:
-            if sum(self._widths[j] for j in keep) + len(keep) - 1 <= self.size.width:
-                break
-            keep.remove(self.columns.index(name))
-        return keep
 
     def on_resize(self) -> None:
         self.show(*self._data)
