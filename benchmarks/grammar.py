@@ -21,6 +21,7 @@ a process of its own); the bench's document takes ``summarize`` and ``section``.
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -131,13 +132,21 @@ def measure_level(engine: "Engine", spec: dict[str, Any], batch: int, n: int, sa
             "output_ids": [o["output_ids"] for o in first.outputs]}
 
 
-def _start_tracing(engine: "Engine", spec: dict[str, Any]) -> Any:
+def _start_tracing(engine: "Engine", spec: dict[str, Any]) -> Callable[[], None]:
+    """Spans to a file (an ablation's cost); returns what stops it and removes the file."""
     if not spec.get("trace_level"):
-        return None
+        return lambda: None
     from tracing import setup_tracing
 
-    spans = Path(tempfile.mkdtemp(prefix="sglite-bench-")) / "spans.jsonl"
-    return setup_tracing(engine.event_bus, spec["trace_level"], jsonl_path=str(spans), model=spec["model_path"])
+    folder = Path(tempfile.mkdtemp(prefix="sglite-bench-"))
+    tracer = setup_tracing(engine.event_bus, spec["trace_level"], jsonl_path=str(folder / "spans.jsonl"),
+                           model=spec["model_path"])
+
+    def stop() -> None:
+        tracer.shutdown()
+        shutil.rmtree(folder, ignore_errors=True)
+
+    return stop
 
 
 def run(spec: dict[str, Any], say: Say) -> dict[str, Any]:
@@ -154,12 +163,11 @@ def run(spec: dict[str, Any], say: Say) -> dict[str, Any]:
     warm = _warmup_prompt(spec["prompts"])
     engine.generate(input_ids=[warm, warm[:20]], sampling_params={"max_new_tokens": 4})
     engine.freeze_gc()
-    tracer = _start_tracing(engine, spec)
+    stop_tracing = _start_tracing(engine, spec)
     t0 = time.monotonic()
     levels = [measure_level(engine, spec, batch, n, say) for batch, n in spec["levels"]]
     wall = time.monotonic() - t0
-    if tracer is not None:
-        tracer.shutdown()
+    stop_tracing()
     runner = engine.scheduler.tp_worker.model_runner
     details = {"attention_backend": runner.attn_backend.name, "dtype": str(runner.dtype).removeprefix("torch."),
                "overlap": bool(engine.scheduler.enable_overlap), "pairs": spec["pairs"]}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import sys
 import tempfile
 import time
@@ -151,6 +152,7 @@ def run_sglite(spec: dict[str, Any], say: Say) -> dict[str, Any]:
     obs.progress.update(obs.finished, obs.tokens, force=True)
     if tracer is not None:
         tracer.shutdown()  # flushing the exporter is not timed, as in tracing_overhead.py
+        shutil.rmtree(spans.parent, ignore_errors=True)  # (written to be paid for, not kept)
     engine.shutdown()
     errors = [o["error"] for o in outs if o.get("error")]
     if errors:
