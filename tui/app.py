@@ -541,6 +541,7 @@ class SchedulerApp(IterationKeys, App):
         if self.selected is None or self.last_view is None:
             return
         screen = DetailScreen(self.selected)
+        self.clear_notifications()  # a toast ("selected r3 (d: detail)") would cover the detail's text
         self.push_screen(screen)
         hs = self.host_state
         self.call_after_refresh(screen.show, self.requests.get(self.selected), self.last_view,

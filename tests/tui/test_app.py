@@ -629,3 +629,23 @@ def test_admit_says_the_queue_was_empty_then_refilled_when_a_round_retracts():
             assert views[-1].waiting and views[-1].retractions > 0
             return
     pytest.fail("no round retracted into an empty queue")
+
+
+def test_opening_a_request_s_detail_clears_the_toasts_that_would_cover_it():
+    async def scenario():
+        engine = make_engine()
+        host, conn = by_hand(engine)
+        app = SchedulerApp(LiveFeed(conn, {}), title="test", paused=True)
+        async with app.run_test(size=(80, 24)) as pilot:
+            for _ in range(3):
+                host.step()
+            app._tick()
+            await pilot.press("s")
+            await pilot.pause()
+            assert len(app._notifications) == 1  # "selected r0 (d: detail)"
+            await pilot.press("d")
+            await pilot.pause()
+            assert isinstance(app.screen, DetailScreen) and len(app._notifications) == 0
+            await pilot.press("escape", "q")
+
+    asyncio.run(scenario())
