@@ -58,9 +58,9 @@ class GrammarManager:
         return bool(self.grammar_queue)
 
     def process_req_with_grammar(self, req: "Req") -> str | None:
-        """Give a new request its grammar. Returns "queued" when it must wait for a
-        compile (it is in grammar_queue now), "cached" on a cache hit, an error message
-        when it cannot run, None when it asks for no grammar."""
+        """Give a new request its grammar: its own on a cache hit, else a compile's future
+        and a place in grammar_queue (SGLang's add_to_grammar_queue). Returns why it
+        cannot run (no backend, a cached compile error), None if it can."""
         key = grammar_key(req.sampling_params)
         if key is None:
             return None
@@ -68,10 +68,12 @@ class GrammarManager:
             return BACKEND_NONE_ERROR
         value, cache_hit = self.grammar_backend.get_cached_or_future_value(key)
         req.grammar, req.grammar_key = value, key
-        if cache_hit:
-            return _compile_error(req) or "cached"
-        self.grammar_queue.append(req)
-        return "queued"
+        if not cache_hit:
+            self.grammar_queue.append(req)
+        return _compile_error(req)
+
+    def is_queued(self, req: "Req") -> bool:
+        return any(r is req for r in self.grammar_queue)
 
     def get_ready_grammar_requests(self, block: bool) -> tuple[list["Req"], list[tuple["Req", str]]]:
         """The queued requests whose grammar is ready (each with its own copy), and
@@ -89,7 +91,10 @@ class GrammarManager:
             if future.done():
                 req.grammar = future.result().copy()
                 error = _compile_error(req)
-                (failed.append((req, error)) if error else ready.append(req))
+                if error:
+                    failed.append((req, error))
+                else:
+                    ready.append(req)
                 continue
             req.grammar_wait_ct += 1
             if req.grammar_wait_ct >= self.max_poll_iterations:

@@ -79,12 +79,11 @@ def tokenizer_info(tokenizer: "Tokenizer", vocab_size: int, stop_token_ids: list
     tokenizer's vocabulary (the model's padding rows) likewise."""
     import xgrammar as xgr
 
-    hf = tokenizer._tk
     encoded = [""] * vocab_size
-    for token, i in hf.get_vocab(with_added_tokens=True).items():
+    for token, i in tokenizer.get_vocab().items():
         if i < vocab_size and i not in tokenizer.special_ids:
             encoded[i] = token
-    meta = xgr.TokenizerInfo._detect_metadata_from_hf(hf.to_str())
+    meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.to_json())
     return xgr.TokenizerInfo(encoded, meta["vocab_type"], vocab_size=vocab_size, stop_token_ids=stop_token_ids,
                              add_prefix_space=meta["add_prefix_space"])
 

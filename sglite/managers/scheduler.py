@@ -15,12 +15,12 @@ from collections import deque
 from typing import Callable, Iterator
 
 from sglite import events as ev
+from sglite.constrained.base_grammar_backend import BaseGrammarObject
 from sglite.constrained.grammar_manager import GrammarManager, create_grammar_backend
 from sglite.distributed.parallel_state import TpRankDiedError
 from sglite.managers.io_struct import (HEALTH_CHECK_RID_PREFIX, AbortReq, BatchTokenIDOut, ExplainReq,
                                       ExplainReqOutput, FlushCacheReqInput, FlushCacheReqOutput, GetInternalStateReq,
                                       GetInternalStateReqOutput, TokenizedGenerateReqInput)
-from sglite.constrained.base_grammar_backend import BaseGrammarObject
 from sglite.managers.schedule_batch import FINISH_ABORT, Req, ReqLogprobs, ScheduleBatch
 from sglite.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy, holds_of_round
 from sglite.managers.scheduler_observer import SchedulerObserver
@@ -111,7 +111,8 @@ class Scheduler:
         """Every request that is not finished: compiling its grammar, waiting, chunked,
         running or just prefilled."""
         seen: dict[int, Req] = {}
-        groups = [self.grammar_manager.grammar_queue, self.waiting_queue, [self.chunked_req] if self.chunked_req else [], self.running_batch.reqs]
+        groups = [self.grammar_manager.grammar_queue, self.waiting_queue,
+                  [self.chunked_req] if self.chunked_req else [], self.running_batch.reqs]
         if self.last_batch is not None and self.last_batch.forward_mode.is_extend():
             groups.append(self.last_batch.reqs)
         for group in groups:
@@ -256,11 +257,11 @@ class Scheduler:
         req.trace_parent = recv_req.trace_parent
         self.num_reqs_received += 1
         self.observer.on_req_arrived(req, temperature)
-        grammar = self.grammar_manager.process_req_with_grammar(req)
-        if grammar == "queued":
+        error = self.grammar_manager.process_req_with_grammar(req)
+        if error is not None:
+            self.abort_now(req, error, is_error=True, status_code=400)  # (SGLang's 400: the request's grammar)
+        elif self.grammar_manager.is_queued(req):
             self.observer.on_grammar_queued(req)
-        elif grammar not in (None, "cached"):
-            self.abort_now(req, grammar, is_error=True, status_code=400)  # (SGLang's 400: the request's grammar)
         else:
             self.waiting_queue.append(req)
 

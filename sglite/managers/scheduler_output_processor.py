@@ -54,12 +54,10 @@ class SchedulerOutputProcessor:
                 if req.logprobs is not None and result.output_logprobs is not None:
                     req.logprobs.add_output(token_id, result.output_logprobs[i])
                     s.observer.on_token_logprobs(req)
+                if isinstance(req.grammar, BaseGrammarObject) and not self.accept_grammar_token(req, result, i):
+                    continue  # the grammar refused it: the request failed alone (abort_now answered it)
             if req.first_token_time is None:
                 req.first_token_time = time.perf_counter()
-            if isinstance(req.grammar, BaseGrammarObject) and req.output_ids:
-                self.accept_grammar_token(req, result, i)
-                if req.finished():
-                    continue
             req.check_finished()
             req.check_stop_str()
             if isinstance(req.grammar, BaseGrammarObject):
@@ -72,9 +70,10 @@ class SchedulerOutputProcessor:
             if req.finished() or req.send_token_offset == 0 or unsent >= s.server_args.stream_interval:
                 self.stream_output(req)
 
-    def accept_grammar_token(self, req: "Req", result: "GenerationBatchResult", i: int) -> None:
+    def accept_grammar_token(self, req: "Req", result: "GenerationBatchResult", i: int) -> bool:
         """Advance the request's grammar by its new token (the mask allowed it, so a
-        refusal is the engine's fault: that request fails alone, with SGLang's words)."""
+        refusal is the engine's fault: that request fails alone, with SGLang's words;
+        False then)."""
         s = self.scheduler
         token_id = req.output_ids[-1]
         assert isinstance(req.grammar, BaseGrammarObject)
@@ -83,10 +82,11 @@ class SchedulerOutputProcessor:
         except ValueError as e:
             s.abort_now(req, f"Grammar accept_token failed for req {req.rid} with token {token_id}: {e}",
                         is_error=True, status_code=500)
-            return
+            return False
         step = result.grammar_stats[i] if result.grammar_stats is not None else None
         if step is not None:
             s.observer.on_grammar_step(req, step, token_id)
+        return True
 
     def stream_output(self, req: "Req") -> None:
         """Send the request's new tokens to the detokenizer (and, once finished, what it

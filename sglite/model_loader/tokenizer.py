@@ -99,6 +99,14 @@ class Tokenizer:
         return max(len(decode([i], skip_special_tokens=False).encode("utf-8", "surrogatepass"))
                    for i in range(self.vocab_size))
 
+    def get_vocab(self) -> dict[str, int]:
+        """Every token as the ``tokenizers`` vocabulary spells it -> its id (added tokens too)."""
+        return self._tk.get_vocab(with_added_tokens=True)
+
+    def to_json(self) -> str:
+        """The ``tokenizers`` serialization (what tokenizer.json holds)."""
+        return self._tk.to_str()
+
     def id_to_token(self, i: int) -> str | None:
         return self._tk.id_to_token(i)
 

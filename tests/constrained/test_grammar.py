@@ -41,7 +41,7 @@ def tokens(text: str) -> list[int]:
 
 def compiled(manager: GrammarManager, *reqs: Req) -> list[Req]:
     for r in reqs:
-        assert manager.process_req_with_grammar(r) in ("queued", "cached")
+        assert manager.process_req_with_grammar(r) is None  # queued, or a cache hit
     ready: list[Req] = []
     while manager.has_waiting_grammars():
         got, failed = manager.get_ready_grammar_requests(block=True)
@@ -61,7 +61,7 @@ def test_one_compile_per_key_and_a_matcher_per_request():
     assert compiled(manager, a, c) == [a, c] and a.grammar is not c.grammar
     assert calls == [("regex", "ab+")]  # both waited on one compile
     third = req("d", regex="ab+")
-    assert manager.process_req_with_grammar(third) == "cached"  # straight to the waiting_queue
+    assert manager.process_req_with_grammar(third) is None and not manager.is_queued(third)  # a cache hit
     assert calls == [("regex", "ab+")]
     for t in tokens("ab"):
         a.grammar.accept_token(t)
@@ -71,7 +71,7 @@ def test_one_compile_per_key_and_a_matcher_per_request():
 def test_a_grammar_that_fails_to_compile_fails_its_requests_with_sglangs_words():
     manager = GrammarManager(backend())
     bad = req("bad", regex="([")  # the gate would refuse it; here the compile does
-    assert manager.process_req_with_grammar(bad) == "queued"
+    assert manager.process_req_with_grammar(bad) is None and manager.is_queued(bad)
     failed: list = []
     while manager.has_waiting_grammars():
         failed += manager.get_ready_grammar_requests(block=True)[1]
@@ -91,7 +91,7 @@ def test_a_compile_that_never_ends_times_out_after_the_poll_budget(monkeypatch):
     monkeypatch.setenv("SGLANG_GRAMMAR_POLL_INTERVAL", "0.001")
     manager = GrammarManager(NeverDone())
     slow = req("slow", regex="a")
-    assert manager.process_req_with_grammar(slow) == "queued"
+    assert manager.process_req_with_grammar(slow) is None and manager.is_queued(slow)
     assert manager.get_ready_grammar_requests(block=True) == ([], [])
     assert manager.get_ready_grammar_requests(block=False) == ([], [])
     ready, failed = manager.get_ready_grammar_requests(block=False)

@@ -39,6 +39,13 @@ def by_hand(engine: Engine, paused: bool = True) -> tuple[EngineHost, HostConnec
     return EngineHost(engine, WORKLOAD, outbox, paused), HostConnection(inbox, outbox)
 
 
+def paused_app(**kw) -> tuple[Engine, EngineHost, HostConnection, SchedulerApp]:
+    """A live app, paused, over an engine the test steps by hand."""
+    engine = make_engine(**kw)
+    host, conn = by_hand(engine)
+    return engine, host, conn, SchedulerApp(LiveFeed(conn, {}), title="test", paused=True)
+
+
 def table_rows(app, tid):
     return [list(r) for r in app.query_one(f"#{tid}").rows]
 
@@ -556,9 +563,7 @@ def test_at_80x24_the_waiting_queue_keeps_its_why_column_and_paused_says_so():
     """The why column is what the help and docs/why.md teach from: on a small terminal
     the queue drops cached, then len, before it; and paused, the rate is not the last one."""
     async def scenario():
-        engine = make_engine()
-        host, conn = by_hand(engine)
-        app = SchedulerApp(LiveFeed(conn, {}), title="test", paused=True)
+        engine, host, conn, app = paused_app()
         async with app.run_test(size=(80, 24)) as pilot:
             await pilot.pause()
             assert app.query_one("#waiting").plain.startswith("waiting for the engine's first iteration")
@@ -586,9 +591,7 @@ def test_esc_then_a_key_sent_as_one_alt_key_is_both():
     """A terminal sends Esc and a key typed right after it as alt+key (within Textual's
     escape delay, or tmux's escape-time): the help closes and the key still acts."""
     async def scenario():
-        engine = make_engine()
-        host, conn = by_hand(engine)
-        app = SchedulerApp(LiveFeed(conn, {}), title="test", paused=True)
+        engine, host, conn, app = paused_app()
         async with app.run_test(size=(80, 24)) as pilot:
             await pilot.press("question_mark")
             await pilot.pause()
@@ -633,9 +636,7 @@ def test_admit_says_the_queue_was_empty_then_refilled_when_a_round_retracts():
 
 def test_opening_a_request_s_detail_clears_the_toasts_that_would_cover_it():
     async def scenario():
-        engine = make_engine()
-        host, conn = by_hand(engine)
-        app = SchedulerApp(LiveFeed(conn, {}), title="test", paused=True)
+        engine, host, conn, app = paused_app()
         async with app.run_test(size=(80, 24)) as pilot:
             for _ in range(3):
                 host.step()
